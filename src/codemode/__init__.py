@@ -1,0 +1,73 @@
+"""codemode: the Code Mode protocol for Python.
+
+Run model-written JavaScript cells that call your tools back, in process or on a remote host.
+"""
+
+from codemode.errors import CodeModeError, FrameError, ProtocolError, WireConversionError
+from codemode.protocol import (
+    CancellationToken,
+    CellId,
+    CodeModeNestedToolCall,
+    CodeModeSession,
+    CodeModeSessionCellExecutionLimits,
+    CodeModeSessionDelegate,
+    CodeModeSessionProvider,
+    CodeModeToolKind,
+    ContentItem,
+    ExecuteRequest,
+    ImageDetail,
+    InputAudio,
+    InputImage,
+    InputText,
+    LiveCell,
+    MissingCell,
+    NoopCodeModeSessionDelegate,
+    ParsedExecSource,
+    Result,
+    RuntimeResponse,
+    StartedCell,
+    Terminated,
+    ToolDefinition,
+    ToolName,
+    WaitOutcome,
+    WaitRequest,
+    Yielded,
+    parse_exec_source,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CancellationToken",
+    "CellId",
+    "CodeModeError",
+    "CodeModeNestedToolCall",
+    "CodeModeSession",
+    "CodeModeSessionCellExecutionLimits",
+    "CodeModeSessionDelegate",
+    "CodeModeSessionProvider",
+    "CodeModeToolKind",
+    "ContentItem",
+    "ExecuteRequest",
+    "FrameError",
+    "ImageDetail",
+    "InputAudio",
+    "InputImage",
+    "InputText",
+    "LiveCell",
+    "MissingCell",
+    "NoopCodeModeSessionDelegate",
+    "ParsedExecSource",
+    "ProtocolError",
+    "Result",
+    "RuntimeResponse",
+    "StartedCell",
+    "Terminated",
+    "ToolDefinition",
+    "ToolName",
+    "WaitOutcome",
+    "WaitRequest",
+    "WireConversionError",
+    "Yielded",
+    "parse_exec_source",
+]

@@ -1,0 +1,245 @@
+"""The transport-neutral session API (``protocol-v1.md`` §1.5-§1.8).
+
+Every carrier (the embedded runtime, Protocol V1 over stdio or WebSocket, gRPC) implements
+:class:`CodeModeSession`; callers serve tool calls through a :class:`CodeModeSessionDelegate`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+from codemode.errors import CodeModeError
+from codemode.protocol.types import (
+    JSON,
+    CellId,
+    CodeModeNestedToolCall,
+    CodeModeSessionCellExecutionLimits,
+    ExecuteRequest,
+    RuntimeResponse,
+    WaitOutcome,
+    WaitRequest,
+)
+
+__all__ = [
+    "EXEC_RUNTIME_ENDED_UNEXPECTEDLY",
+    "NESTED_TOOLS_UNAVAILABLE",
+    "PROVIDER_DOES_NOT_SUPPORT_LIMITS",
+    "SESSION_SHUTTING_DOWN",
+    "CancellationToken",
+    "CodeModeSession",
+    "CodeModeSessionDelegate",
+    "CodeModeSessionProvider",
+    "NoopCodeModeSessionDelegate",
+    "StartedCell",
+]
+
+EXEC_RUNTIME_ENDED_UNEXPECTEDLY: Final = "exec runtime ended unexpectedly"
+SESSION_SHUTTING_DOWN: Final = "code mode session is shutting down"
+NESTED_TOOLS_UNAVAILABLE: Final = "code mode nested tools are unavailable"
+PROVIDER_DOES_NOT_SUPPORT_LIMITS: Final = (
+    "code-mode session provider does not support resource limits"
+)
+
+
+class CancellationToken:
+    """A one-way signal that a callback's result is no longer wanted.
+
+    Setting it never cancels the delegate's task; the delegate observes it and stops promptly.
+    """
+
+    __slots__ = ("_callbacks", "_cancelled", "_event")
+
+    def __init__(self) -> None:
+        self._cancelled = False
+        self._event: asyncio.Event | None = None
+        self._callbacks: list[Callable[[], object]] = []
+
+    def cancel(self) -> None:
+        """Signal cancellation (idempotent)."""
+        if self._cancelled:
+            return
+        self._cancelled = True
+        if self._event is not None:
+            self._event.set()
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+    def is_cancelled(self) -> bool:
+        """True once :meth:`cancel` was called."""
+        return self._cancelled
+
+    async def wait_cancelled(self) -> None:
+        """Return once the token is cancelled."""
+        if self._cancelled:
+            return
+        if self._event is None:
+            self._event = asyncio.Event()
+        await self._event.wait()
+
+    def add_callback(self, callback: Callable[[], object]) -> None:
+        """Call ``callback()`` on cancellation (at once if already cancelled)."""
+        if self._cancelled:
+            callback()
+        else:
+            self._callbacks.append(callback)
+
+
+class CodeModeSessionDelegate:
+    """Client-side callbacks for one session: nested tool calls, notifications, cell close.
+
+    The base class behaves like :class:`NoopCodeModeSessionDelegate`; override what you serve.
+    """
+
+    async def invoke_tool(
+        self, invocation: CodeModeNestedToolCall, cancellation: CancellationToken
+    ) -> JSON:
+        """Run a nested tool; the returned JSON resolves the JavaScript promise.
+
+        Raising :class:`CodeModeError` rejects the promise with its message.
+        """
+        await cancellation.wait_cancelled()
+        raise CodeModeError(NESTED_TOOLS_UNAVAILABLE)
+
+    async def notify(
+        self, call_id: str, cell_id: CellId, text: str, cancellation: CancellationToken
+    ) -> None:
+        """Deliver a ``notify(...)`` text; ``call_id`` is the execute's ``tool_call_id``."""
+        return
+
+    def cell_closed(self, cell_id: CellId) -> None:
+        """Release state held for ``cell_id``; called once per admitted cell. Must not block."""
+        return
+
+
+class NoopCodeModeSessionDelegate(CodeModeSessionDelegate):
+    """A delegate with no tools: calls wait for cancellation, then fail."""
+
+
+class StartedCell:
+    """An admitted cell: its id now, its first outcome later (two-phase execute, §1.6).
+
+    ``initial_response()`` may be awaited once. Dropping the cell, cancelling the awaiting task or
+    calling :meth:`cancel` abandons it, which makes the implementation terminate the cell.
+    """
+
+    __slots__ = ("_abandon", "_consumed", "_done", "_future", "cell_id")
+
+    def __init__(
+        self,
+        cell_id: CellId,
+        future: asyncio.Future[RuntimeResponse],
+        abandon: Callable[[], object] | None = None,
+    ) -> None:
+        self.cell_id = cell_id
+        self._future = future
+        self._abandon = abandon
+        self._consumed = False
+        self._done = False
+
+    @classmethod
+    def from_awaitable(
+        cls,
+        cell_id: CellId,
+        awaitable: Awaitable[RuntimeResponse],
+        abandon: Callable[[], object] | None = None,
+    ) -> StartedCell:
+        """Wrap the producer of the initial response; ``abandon`` cleans up an abandoned cell."""
+        return cls(cell_id, asyncio.ensure_future(awaitable), abandon)
+
+    async def initial_response(self) -> RuntimeResponse:
+        """Await the cell's first outcome (yield, completion or termination)."""
+        if self._consumed:
+            raise RuntimeError("StartedCell.initial_response() may only be awaited once")
+        self._consumed = True
+        future = self._future
+        try:
+            await asyncio.wait((future,))
+        except asyncio.CancelledError:
+            self._consumed_abandon()
+            raise
+        self._done = True
+        self._abandon = None
+        if future.cancelled():
+            raise CodeModeError(EXEC_RUNTIME_ENDED_UNEXPECTEDLY)
+        return future.result()
+
+    def cancel(self) -> None:
+        """Abandon the cell (idempotent; no effect once the initial response was delivered)."""
+        if self._done:
+            return
+        self._consumed_abandon()
+
+    def _consumed_abandon(self) -> None:
+        self._done = True
+        abandon, self._abandon = self._abandon, None
+        if not self._future.done():
+            self._future.cancel()
+        elif not self._future.cancelled():
+            self._future.exception()  # mark retrieved: an abandoned cell's error is not news
+        if abandon is not None:
+            abandon()
+
+    def __del__(self) -> None:
+        if not self._done and self._abandon is not None:
+            with contextlib.suppress(Exception):
+                self._consumed_abandon()
+
+    def __repr__(self) -> str:
+        return f"StartedCell(cell_id={self.cell_id!r})"
+
+
+class CodeModeSession(ABC):
+    """A durable session: cells share stored values; separate sessions are isolated."""
+
+    @abstractmethod
+    async def execute(self, request: ExecuteRequest) -> StartedCell:
+        """Admit a cell and return at once; its first outcome is ``initial_response()``."""
+
+    @abstractmethod
+    async def wait(self, request: WaitRequest) -> WaitOutcome:
+        """Observe a cell for up to ``request.yield_time_ms``."""
+
+    @abstractmethod
+    async def terminate(self, cell_id: CellId) -> WaitOutcome:
+        """Stop a cell and return its final outcome."""
+
+    @abstractmethod
+    async def shutdown(self) -> None:
+        """Terminate every cell and close the session (idempotent)."""
+
+    def is_alive(self) -> bool:
+        """False once a remote session's connection has failed; it never comes back."""
+        return True
+
+    async def __aenter__(self) -> CodeModeSession:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.shutdown()
+
+
+class CodeModeSessionProvider(ABC):
+    """Creates sessions (embedded, or on a remote host)."""
+
+    def availability(self) -> None:
+        """Raise :class:`CodeModeError` if this provider cannot create sessions."""
+        return
+
+    @abstractmethod
+    async def create_session(self, delegate: CodeModeSessionDelegate) -> CodeModeSession:
+        """Open a session served by ``delegate``."""
+
+    async def create_session_with_limits(
+        self,
+        delegate: CodeModeSessionDelegate,
+        limits: CodeModeSessionCellExecutionLimits,
+    ) -> CodeModeSession:
+        """Open a session whose cells share ``limits``."""
+        if limits.is_default:
+            return await self.create_session(delegate)
+        raise CodeModeError(PROVIDER_DOES_NOT_SUPPORT_LIMITS)

@@ -1,0 +1,127 @@
+"""Strict JSON as every V1 payload must be (``protocol-v1.md`` §2.1).
+
+msgspec already rejects bad UTF-8, a byte-order mark, trailing data, ``NaN``/``Infinity``, numbers
+that overflow a double and lone surrogate escapes. The one rule it does not check is "no object has
+the same key twice", so this module adds that check without a second parse in the common case:
+
+A key is always followed by one ``:`` outside any string; every other ``:`` in the text sits inside a
+string. Re-encoding the decoded value writes every key once and every string's colons literally, so
+the source has exactly as many colons as the re-encoding unless a duplicate key collapsed (fewer
+colons in the re-encoding) or the source spelled a colon as an escape (``\\u003a``, which the cheap
+test can not see). Only in those two cases is the text parsed again, slowly, to find the duplicate.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Final
+
+import jiter
+import msgspec
+
+__all__ = [
+    "LARGE_PAYLOAD_BYTES",
+    "JSONError",
+    "check_no_duplicate_keys",
+    "dumps",
+    "loads",
+    "loads_large",
+]
+
+#: From this size on, texts are parsed by jiter, which checks duplicate keys while parsing.
+LARGE_PAYLOAD_BYTES: Final = 256 * 1024
+
+_ANY_DECODER: Final = msgspec.json.Decoder()
+_ENCODER: Final = msgspec.json.Encoder()
+
+Buffer = bytes | bytearray | memoryview
+
+
+class JSONError(ValueError):
+    """A payload is not strict JSON; ``str()`` is the detail."""
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise JSONError(f"duplicate key `{key}` in a JSON object")
+            seen.add(key)
+    return result
+
+
+def _find_duplicate_slowly(text: bytes) -> None:
+    try:
+        json.loads(text, object_pairs_hook=_reject_duplicates)
+    except JSONError:
+        raise
+    except ValueError as error:  # e.g. an integer beyond Python's digit limit
+        raise JSONError(str(error)) from None
+
+
+def check_no_duplicate_keys(text: bytes | bytearray, decoded: Any) -> None:
+    """Raise :class:`JSONError` if ``text`` (already decoded as ``decoded``) repeats a key.
+
+    ``decoded`` may be any msgspec-encodable value decoded from exactly that text, typed or not.
+    """
+    if text.find(b"\\u003") == -1:
+        try:
+            if text.count(b":") == _ENCODER.encode(decoded).count(b":"):
+                return
+        except (TypeError, ValueError, OverflowError):
+            pass
+    _find_duplicate_slowly(bytes(text))
+
+
+def _reject_infinity(value: Any) -> None:
+    # jiter turns a number beyond the double range into inf; strict JSON rejects it.
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if type(item) is dict:
+            stack.extend(item.values())
+        elif type(item) is list:
+            stack.extend(item)
+        elif type(item) is float and math.isinf(item):
+            raise JSONError("number out of range")
+
+
+def loads_large(data: bytes) -> Any:
+    """Decode a strict JSON text with jiter (fast on long strings)."""
+    try:
+        value = jiter.from_json(
+            data, allow_inf_nan=False, catch_duplicate_keys=True, cache_mode="keys"
+        )
+    except ValueError as error:
+        raise JSONError(str(error)) from None
+    _reject_infinity(value)
+    return value
+
+
+def loads(data: Buffer | str) -> Any:
+    """Decode one strict JSON text (bytes or str) into plain Python values."""
+    if isinstance(data, str):
+        try:
+            raw: bytes | bytearray = data.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise JSONError(f"invalid Unicode text: {error.reason}") from None
+    elif isinstance(data, memoryview):
+        raw = data.tobytes()
+    else:
+        raw = data
+    if len(raw) >= LARGE_PAYLOAD_BYTES:
+        return loads_large(bytes(raw))
+    try:
+        value = _ANY_DECODER.decode(raw)
+    except msgspec.DecodeError as error:
+        raise JSONError(str(error)) from None
+    check_no_duplicate_keys(raw, value)
+    return value
+
+
+def dumps(value: Any) -> bytes:
+    """Encode canonically: compact, raw UTF-8, keys in insertion order."""
+    return _ENCODER.encode(value)

@@ -1,0 +1,282 @@
+"""The V1 frame codec (``protocol-v1.md`` §2.1, §6): sans-I/O, bytes in, messages out.
+
+A frame is a 4-byte little-endian payload length followed by one strict JSON text. The
+:class:`FrameDecoder` takes bytes in any chunking and returns whole messages; nothing here reads or
+writes a stream. Payloads are decoded straight out of the receive buffer (no copy per frame), and an
+oversize length is refused from the prefix alone, before any payload is buffered.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, Generic, TypeVar
+
+import msgspec
+
+from codemode.errors import FrameError, FrameErrorKind
+from codemode.protocol.constants import MAX_FRAME_BYTES
+from codemode.protocol.strict_json import (
+    LARGE_PAYLOAD_BYTES,
+    JSONError,
+    check_no_duplicate_keys,
+    loads_large,
+)
+from codemode.protocol.v1.messages import BLANK_IDENTIFIER_ERROR, IDENTIFIER_MUST_NOT_BE_EMPTY
+
+__all__ = [
+    "EOF",
+    "NEED_DATA",
+    "FrameDecoder",
+    "MessageDecoder",
+    "decode_framed",
+    "encode_frame",
+    "encode_payload",
+    "into_framed_bytes",
+]
+
+M = TypeVar("M")
+
+_PREFIX: Final = 4
+_ENCODER: Final = msgspec.json.Encoder()
+_ANY_DECODER: Final = msgspec.json.Decoder()
+_DECODE_PREFIX: Final = "failed to decode code-mode IPC frame: "
+_ENCODE_PREFIX: Final = "failed to encode code-mode IPC frame: "
+
+
+class _Sentinel:
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __repr__(self) -> str:
+        return self._name
+
+
+#: Returned by :meth:`FrameDecoder.next_message` when more bytes are needed.
+NEED_DATA: Final = _Sentinel("NEED_DATA")
+#: Returned by :meth:`FrameDecoder.next_message` after a clean end of stream.
+EOF: Final = _Sentinel("EOF")
+
+
+def _oversize(length: int) -> FrameError:
+    return FrameError(
+        FrameErrorKind.OVERSIZE,
+        f"code-mode IPC frame length {length} exceeds {MAX_FRAME_BYTES} bytes",
+    )
+
+
+def _validation_detail(error: msgspec.ValidationError) -> str:
+    return str(error).replace(BLANK_IDENTIFIER_ERROR, IDENTIFIER_MUST_NOT_BE_EMPTY)
+
+
+class MessageDecoder(Generic[M]):
+    """Decodes one payload as wire type ``M`` (or any JSON value) under the strict rules.
+
+    Raises :class:`FrameError` with kind ``invalid_json`` when the text is not strict JSON and
+    ``invalid_message`` when it is JSON but not a valid ``M``.
+    """
+
+    __slots__ = ("_decoder", "_type", "_typed")
+
+    def __init__(self, wire_type: Any = Any) -> None:
+        self._type = wire_type
+        self._typed = wire_type is not Any
+        self._decoder: msgspec.json.Decoder[M] = msgspec.json.Decoder(wire_type)
+
+    def decode(self, data: bytes | bytearray, start: int = 0, end: int | None = None) -> M:
+        """Decode ``data[start:end]``."""
+        if end is None and start == 0 and type(data) is bytes:
+            payload: bytes | bytearray = data
+        else:
+            stop = len(data) if end is None else end
+            if stop - start >= LARGE_PAYLOAD_BYTES:
+                return self._decode_large(bytes(memoryview(data)[start:stop]))
+            # Copying a small payload is cheaper than exporting a view of it.
+            payload = data[start:stop]
+        if len(payload) >= LARGE_PAYLOAD_BYTES:
+            return self._decode_large(bytes(payload))
+        try:
+            message = self._decoder.decode(payload)
+        except msgspec.ValidationError as error:
+            if self._typed:
+                # Bad JSON (e.g. 1e400) or a bad message? Decide on the plain value.
+                _check_json(payload)
+                raise FrameError(
+                    FrameErrorKind.INVALID_MESSAGE, _DECODE_PREFIX + _validation_detail(error)
+                ) from None
+            raise FrameError(FrameErrorKind.INVALID_JSON, _DECODE_PREFIX + str(error)) from None
+        except msgspec.DecodeError as error:
+            raise FrameError(FrameErrorKind.INVALID_JSON, _DECODE_PREFIX + str(error)) from None
+        # A payload that is byte for byte the canonical encoding of what it decoded to cannot
+        # repeat a key (the encoder never does); canonical peers always take this exit.
+        if _ENCODER.encode(message) != payload:
+            try:
+                check_no_duplicate_keys(payload, message)
+            except JSONError as error:
+                raise FrameError(FrameErrorKind.INVALID_JSON, _DECODE_PREFIX + str(error)) from None
+        return message
+
+    def _decode_large(self, payload: bytes) -> M:
+        # jiter checks duplicate keys while parsing and scans long strings far faster than a
+        # parse followed by a second pass over the text would.
+        try:
+            value = loads_large(payload)
+        except JSONError as error:
+            raise FrameError(FrameErrorKind.INVALID_JSON, _DECODE_PREFIX + str(error)) from None
+        if not self._typed:
+            return value  # type: ignore[no-any-return]
+        try:
+            return msgspec.convert(value, self._type)  # type: ignore[no-any-return]
+        except msgspec.ValidationError as error:
+            raise FrameError(
+                FrameErrorKind.INVALID_MESSAGE, _DECODE_PREFIX + _validation_detail(error)
+            ) from None
+
+
+def _check_json(payload: bytes | bytearray) -> None:
+    try:
+        check_no_duplicate_keys(payload, _ANY_DECODER.decode(payload))
+    except (msgspec.DecodeError, JSONError) as error:
+        raise FrameError(FrameErrorKind.INVALID_JSON, _DECODE_PREFIX + str(error)) from None
+
+
+def encode_payload(message: Any) -> bytes:
+    """Encode a message (or any JSON value) canonically, without the length prefix."""
+    try:
+        return _ENCODER.encode(message)
+    except (TypeError, ValueError, OverflowError) as error:
+        raise FrameError(FrameErrorKind.INVALID_MESSAGE, _ENCODE_PREFIX + str(error)) from None
+
+
+def encode_frame(message: Any) -> bytearray:
+    """Encode a message as one complete frame (prefix + payload), or raise ``oversize``.
+
+    The payload is encoded straight after a reserved prefix, so a large frame is never copied.
+    """
+    buffer = bytearray(_PREFIX)
+    try:
+        _ENCODER.encode_into(message, buffer, _PREFIX)
+    except (TypeError, ValueError, OverflowError) as error:
+        raise FrameError(FrameErrorKind.INVALID_MESSAGE, _ENCODE_PREFIX + str(error)) from None
+    length = len(buffer) - _PREFIX
+    if length > MAX_FRAME_BYTES:
+        raise _oversize(length)
+    buffer[:_PREFIX] = length.to_bytes(_PREFIX, "little")
+    return buffer
+
+
+def into_framed_bytes(payload: bytes | bytearray) -> bytes:
+    """Prefix an already encoded payload with its length."""
+    if len(payload) > MAX_FRAME_BYTES:
+        raise _oversize(len(payload))
+    return len(payload).to_bytes(_PREFIX, "little") + payload
+
+
+def decode_framed(buffer: bytes | bytearray, decoder: MessageDecoder[M]) -> M:
+    """Decode a buffer that must hold exactly one frame (one WebSocket message, §6.4)."""
+    size = len(buffer)
+    if size < _PREFIX:
+        raise FrameError(
+            FrameErrorKind.TRUNCATED_PREFIX, "code-mode IPC frame is missing its length prefix"
+        )
+    length = int.from_bytes(buffer[:_PREFIX], "little")
+    if length > MAX_FRAME_BYTES:
+        raise _oversize(length)
+    received = size - _PREFIX
+    if received != length:
+        kind = (
+            FrameErrorKind.TRUNCATED_PAYLOAD if received < length else FrameErrorKind.TRAILING_BYTES
+        )
+        raise FrameError(
+            kind, f"code-mode IPC frame declares {length} payload bytes but contains {received}"
+        )
+    return decoder.decode(buffer, _PREFIX, size)
+
+
+class FrameDecoder(Generic[M]):
+    """Incremental frame reader: feed bytes with :meth:`receive_data`, pull messages.
+
+    :meth:`next_message` returns a message, :data:`NEED_DATA`, or :data:`EOF` (only at a frame
+    boundary after :meth:`receive_eof`), and raises :class:`FrameError`. After ``invalid_json`` or
+    ``invalid_message`` the decoder continues with the next frame; any other error is final.
+    """
+
+    __slots__ = ("_buffer", "_decoder", "_eof", "_failed", "_position", "consumed")
+
+    def __init__(self, decoder: MessageDecoder[M]) -> None:
+        self._decoder = decoder
+        self._buffer: bytes | bytearray = b""
+        self._position = 0
+        self._eof = False
+        self._failed: FrameError | None = None
+        #: Stream offset of the first byte not yet consumed (the start of the next frame).
+        self.consumed = 0
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Append received bytes."""
+        if self._eof:
+            raise RuntimeError("received data after end of stream")
+        if not data:
+            return
+        if self._position >= len(self._buffer):
+            # Nothing pending: decode straight out of the caller's chunk.
+            # A caller may reuse a mutable buffer, so only immutable bytes are kept as they are.
+            self._buffer = data if isinstance(data, bytes) else bytes(data)
+            self._position = 0
+            return
+        if isinstance(self._buffer, bytes):
+            self._buffer = bytearray(memoryview(self._buffer)[self._position :])
+        elif self._position:
+            del self._buffer[: self._position]
+        self._position = 0
+        self._buffer += data
+
+    def receive_eof(self) -> None:
+        """Mark the end of the stream."""
+        self._eof = True
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet consumed."""
+        return len(self._buffer) - self._position
+
+    def next_message(self) -> M | _Sentinel:
+        """Return the next message, :data:`NEED_DATA` or :data:`EOF`; raise :class:`FrameError`."""
+        if self._failed is not None:
+            raise self._failed
+        buffer, position = self._buffer, self._position
+        available = len(buffer) - position
+        if available < _PREFIX:
+            if not self._eof:
+                return NEED_DATA
+            if available == 0:
+                return EOF
+            raise self._fail(
+                FrameError(
+                    FrameErrorKind.TRUNCATED_PREFIX,
+                    f"code-mode IPC frame length prefix truncated after {available} bytes",
+                )
+            )
+        length = int.from_bytes(buffer[position : position + _PREFIX], "little")
+        if length > MAX_FRAME_BYTES:
+            raise self._fail(_oversize(length))
+        end = position + _PREFIX + length
+        if len(buffer) < end:
+            if not self._eof:
+                return NEED_DATA
+            raise self._fail(
+                FrameError(
+                    FrameErrorKind.TRUNCATED_PAYLOAD,
+                    "code-mode IPC frame payload truncated: "
+                    f"declared {length} bytes, received {available - _PREFIX}",
+                )
+            )
+        self._position = end
+        self.consumed += _PREFIX + length
+        if end == len(buffer):
+            self._buffer, self._position = b"", 0
+        return self._decoder.decode(buffer, position + _PREFIX, end)
+
+    def _fail(self, error: FrameError) -> FrameError:
+        self._failed = error
+        return error

@@ -1,0 +1,151 @@
+"""The session API building blocks: StartedCell, CancellationToken, default delegate/provider."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import pytest
+
+from codemode.errors import CodeModeError
+from codemode.protocol import (
+    CancellationToken,
+    CellId,
+    CodeModeNestedToolCall,
+    CodeModeSession,
+    CodeModeSessionCellExecutionLimits,
+    CodeModeSessionDelegate,
+    CodeModeSessionProvider,
+    CodeModeToolKind,
+    NoopCodeModeSessionDelegate,
+    Result,
+    StartedCell,
+    ToolName,
+)
+
+CELL = CellId("1")
+
+
+def test_cell_id_is_a_distinct_value_type() -> None:
+    assert CellId("1") == CellId("1")
+    assert hash(CellId("1")) == hash(CellId("1"))
+    assert CellId("1") != "1"
+    assert str(CellId("g2:42")) == "g2:42"
+    assert str(CellId("")) == ""
+    assert {CellId("a"): 1}[CellId("a")] == 1
+
+
+async def test_initial_response_is_delivered_once() -> None:
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Result] = loop.create_future()
+    cell = StartedCell(CELL, future)  # type: ignore[arg-type]
+    future.set_result(Result(CELL, [], None))
+    assert await cell.initial_response() == Result(CELL, [], None)
+    with pytest.raises(RuntimeError):
+        await cell.initial_response()
+
+
+async def test_producer_error_is_reraised_unchanged() -> None:
+    async def producer() -> Result:
+        raise CodeModeError("remote runtime failed")
+
+    cell = StartedCell.from_awaitable(CELL, producer())
+    with pytest.raises(CodeModeError) as caught:
+        await cell.initial_response()
+    assert str(caught.value) == "remote runtime failed"
+
+
+async def test_vanished_producer_is_exec_runtime_ended_unexpectedly() -> None:
+    future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+    cell = StartedCell(CELL, future)  # type: ignore[arg-type]
+    future.cancel()
+    with pytest.raises(CodeModeError, match=r"^exec runtime ended unexpectedly$"):
+        await cell.initial_response()
+
+
+async def test_cancelling_the_awaiting_task_abandons_the_cell() -> None:
+    abandoned: list[bool] = []
+    future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+    cell = StartedCell(CELL, future, lambda: abandoned.append(True))  # type: ignore[arg-type]
+    task = asyncio.create_task(cell.initial_response())
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert abandoned == [True]
+    cell.cancel()  # idempotent
+    assert abandoned == [True]
+
+
+async def test_cancel_abandons_once_and_not_after_delivery() -> None:
+    abandoned: list[int] = []
+    loop = asyncio.get_running_loop()
+    first: asyncio.Future[Result] = loop.create_future()
+    cell = StartedCell(CELL, first, lambda: abandoned.append(1))  # type: ignore[arg-type]
+    cell.cancel()
+    cell.cancel()
+    assert abandoned == [1]
+
+    second: asyncio.Future[Result] = loop.create_future()
+    delivered = StartedCell(CELL, second, lambda: abandoned.append(2))  # type: ignore[arg-type]
+    second.set_result(Result(CELL))
+    await delivered.initial_response()
+    delivered.cancel()
+    assert abandoned == [1]
+
+
+async def test_dropping_an_unconsumed_cell_abandons_it() -> None:
+    abandoned: list[bool] = []
+    future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+    cell = StartedCell(CELL, future, lambda: abandoned.append(True))  # type: ignore[arg-type]
+    del cell
+    gc.collect()
+    assert abandoned == [True]
+
+
+async def test_cancellation_token() -> None:
+    token = CancellationToken()
+    seen: list[str] = []
+    token.add_callback(lambda: seen.append("callback"))
+    waiter = asyncio.create_task(token.wait_cancelled())
+    await asyncio.sleep(0)
+    assert not token.is_cancelled()
+    token.cancel()
+    token.cancel()
+    await asyncio.wait_for(waiter, 1)
+    assert token.is_cancelled()
+    assert seen == ["callback"]
+    token.add_callback(lambda: seen.append("late"))
+    assert seen == ["callback", "late"]
+
+
+async def test_noop_delegate_waits_for_cancellation_then_fails() -> None:
+    delegate = NoopCodeModeSessionDelegate()
+    token = CancellationToken()
+    call = CodeModeNestedToolCall(CELL, "tool-1", ToolName.plain("t"), CodeModeToolKind.FUNCTION)
+    task = asyncio.create_task(delegate.invoke_tool(call, token))
+    await asyncio.sleep(0.01)
+    assert not task.done()
+    token.cancel()
+    with pytest.raises(CodeModeError, match=r"^code mode nested tools are unavailable$"):
+        await asyncio.wait_for(task, 1)
+    assert await delegate.notify("call", CELL, "text", token) is None
+    delegate.cell_closed(CELL)
+
+
+class _Provider(CodeModeSessionProvider):
+    async def create_session(self, delegate: CodeModeSessionDelegate) -> CodeModeSession:
+        raise CodeModeError("created")
+
+
+async def test_provider_without_limit_support() -> None:
+    provider = _Provider()
+    provider.availability()
+    delegate = CodeModeSessionDelegate()
+    with pytest.raises(CodeModeError, match=r"^created$"):
+        await provider.create_session_with_limits(delegate, CodeModeSessionCellExecutionLimits())
+    with pytest.raises(CodeModeError) as caught:
+        await provider.create_session_with_limits(
+            delegate, CodeModeSessionCellExecutionLimits(max_heap_size_bytes=1)
+        )
+    assert str(caught.value) == "code-mode session provider does not support resource limits"

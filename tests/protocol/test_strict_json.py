@@ -1,0 +1,77 @@
+"""Strict JSON (§2.1): every rejection, and the duplicate-key check on each of its paths."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from codemode.protocol.strict_json import LARGE_PAYLOAD_BYTES, JSONError, dumps, loads
+
+REJECTED = [
+    b"",
+    b"\xef\xbb\xbf{}",
+    b'"\xff"',
+    b"{} []",
+    b"NaN",
+    b"[Infinity]",
+    b"-Infinity",
+    b"1e400",
+    b'"\\ud800"',
+    b'{"a":1,"a":2}',
+    b'{"a":{"b":1,"b":1}}',
+    b'[{"x":"1:2","x":"3"}]',
+    b'{"a\\u003a":1,"a\\u003a":2}',
+    b'{"\\u0061":1,"a":2}',
+    b"{'a':1}",
+]
+
+
+@pytest.mark.parametrize("text", REJECTED)
+def test_rejected(text: bytes) -> None:
+    with pytest.raises(JSONError):
+        loads(text)
+
+
+@pytest.mark.parametrize("text", REJECTED[1:])
+def test_rejected_when_large(text: bytes) -> None:
+    padded = b'{"pad":"' + b"x" * LARGE_PAYLOAD_BYTES + b'","v":' + text + b"}"
+    with pytest.raises(JSONError):
+        loads(padded)
+
+
+def test_lone_surrogate_character_in_str_is_rejected() -> None:
+    with pytest.raises(JSONError):
+        loads('"\ud800"')
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        (b' {"a" : "x:y" , "b":[1,2.5,null,true]} ', {"a": "x:y", "b": [1, 2.5, None, True]}),
+        (b'{"a\\u003a":1,"a:":2}', None),
+        (b'"\\u003a"', ":"),
+        (b"18446744073709551616", 2**64),
+    ],
+)
+def test_accepted(text: bytes, value: Any) -> None:
+    if value is None:
+        with pytest.raises(JSONError):
+            loads(text)  # the escaped and raw spellings name the same key
+    else:
+        assert loads(text) == value
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda inner: st.lists(inner) | st.dictionaries(st.text(), inner),
+    max_leaves=20,
+)
+
+
+@given(json_values)
+def test_round_trip(value: Any) -> None:
+    assert loads(dumps(value)) == value
