@@ -46,11 +46,14 @@ def test_grant_is_the_supported_subset_with_a_token_only_for_dual() -> None:
     hello = ConnectionHello((1,), (LIMITS,), (DUAL, "unknown"))
     reply, granted = negotiate(hello, [LIMITS])
     assert reply == ConnectionReady(1, (LIMITS,), UNSET)
-    assert granted is not None and granted.resource_limits and not granted.dual_websocket
+    assert granted is not None
+    assert granted.resource_limits
+    assert not granted.dual_websocket
 
     reply, granted = negotiate(hello, [LIMITS, DUAL], new_token=lambda: "tok")
     assert reply == ConnectionReady(1, (DUAL, LIMITS), "tok")
-    assert granted is not None and granted.bulk_connection_token == "tok"
+    assert granted is not None
+    assert granted.bulk_connection_token == "tok"
 
 
 def test_default_tokens_are_random_and_url_safe() -> None:
@@ -60,7 +63,8 @@ def test_default_tokens_are_random_and_url_safe() -> None:
         reply, _ = negotiate(hello, [DUAL])
         assert isinstance(reply, ConnectionReady)
         token = reply.bulk_connection_token
-        assert isinstance(token, str) and len(token) >= 22
+        assert isinstance(token, str)
+        assert len(token) >= 22
         assert all(c.isalnum() or c in "-_" for c in token)
         tokens.add(token)
     assert len(tokens) == 20
@@ -113,5 +117,8 @@ def test_missing_required_capability_in_ready() -> None:
 
 
 def test_valid_reply() -> None:
-    granted = check_handshake_reply(client_hello(dual_websocket=True), ConnectionReady(1, (DUAL,), "t"))
-    assert granted.dual_websocket and granted.bulk_connection_token == "t"
+    granted = check_handshake_reply(
+        client_hello(dual_websocket=True), ConnectionReady(1, (DUAL,), "t")
+    )
+    assert granted.dual_websocket
+    assert granted.bulk_connection_token == "t"
