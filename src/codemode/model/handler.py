@@ -1,0 +1,111 @@
+"""Serving the model's ``exec`` and ``wait`` calls against a session (``runtime.md`` §15.1-§15.4).
+
+The handler turns one model tool call into one :class:`~codemode.model.render.RenderedOutput`:
+pragma and argument errors and transport failures come back as their text verbatim (no header,
+failure); outcomes are rendered with header and truncation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Final, TypeAlias
+
+from codemode.errors import CodeModeError
+from codemode.model.exec_tool import parse_wait_arguments
+from codemode.model.render import RenderedOutput, render_outcome, render_response
+from codemode.protocol.pragma import parse_exec_source
+from codemode.protocol.session import CodeModeSession
+from codemode.protocol.types import CellId, ExecuteRequest, InputText, ToolDefinition, WaitRequest
+
+__all__ = [
+    "EXEC_EXPECTS_FREEFORM",
+    "WAIT_EXPECTS_JSON",
+    "CodeModeToolHandler",
+    "CustomToolInput",
+    "FunctionToolArguments",
+    "ToolPayload",
+]
+
+EXEC_EXPECTS_FREEFORM: Final = "exec expects raw JavaScript source text"
+WAIT_EXPECTS_JSON: Final = "wait expects JSON arguments"
+
+
+@dataclass(frozen=True, slots=True)
+class CustomToolInput:
+    """The raw text input of a custom (freeform) tool call."""
+
+    input: str
+
+
+@dataclass(frozen=True, slots=True)
+class FunctionToolArguments:
+    """The JSON argument text of a function tool call."""
+
+    arguments: str
+
+
+ToolPayload: TypeAlias = CustomToolInput | FunctionToolArguments
+
+
+def _failure(message: str) -> RenderedOutput:
+    return RenderedOutput([InputText(message)], success=False)
+
+
+class CodeModeToolHandler:
+    """Runs ``exec``/``wait`` calls on one session with a fixed or computed set of nested tools."""
+
+    def __init__(
+        self,
+        session: CodeModeSession,
+        enabled_tools: Sequence[ToolDefinition] | Callable[[], Sequence[ToolDefinition]] = (),
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._session = session
+        self._enabled_tools = enabled_tools
+        self._clock = clock
+
+    def _tools(self) -> list[ToolDefinition]:
+        tools = self._enabled_tools
+        return list(tools() if callable(tools) else tools)
+
+    async def handle_exec(self, call_id: str, payload: ToolPayload | str) -> RenderedOutput:
+        """Parse the pragma, execute, and render the initial response."""
+        started = self._clock()
+        if isinstance(payload, FunctionToolArguments):
+            return _failure(EXEC_EXPECTS_FREEFORM)
+        source = payload.input if isinstance(payload, CustomToolInput) else payload
+        try:
+            parsed = parse_exec_source(source)
+            request = ExecuteRequest(
+                tool_call_id=call_id,
+                source=parsed.code,
+                enabled_tools=self._tools(),
+                yield_time_ms=parsed.yield_time_ms,
+                max_output_tokens=parsed.max_output_tokens,
+            )
+            cell = await self._session.execute(request)
+            response = await cell.initial_response()
+        except CodeModeError as error:
+            return _failure(error.message)
+        return render_response(response, self._clock() - started, parsed.max_output_tokens)
+
+    async def handle_wait(self, payload: ToolPayload | str) -> RenderedOutput:
+        """Decode the arguments, then wait on or terminate the cell and render the outcome."""
+        started = self._clock()
+        if isinstance(payload, CustomToolInput):
+            return _failure(WAIT_EXPECTS_JSON)
+        arguments = payload.arguments if isinstance(payload, FunctionToolArguments) else payload
+        try:
+            parsed = parse_wait_arguments(arguments)
+            cell_id = CellId(parsed.cell_id)
+            if parsed.terminate:
+                outcome = await self._session.terminate(cell_id)
+            else:
+                request = WaitRequest(cell_id, parsed.effective_yield_time_ms)
+                outcome = await self._session.wait(request)
+        except CodeModeError as error:
+            return _failure(error.message)
+        return render_outcome(outcome, self._clock() - started, parsed.effective_max_tokens)

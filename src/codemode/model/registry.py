@@ -1,0 +1,471 @@
+"""A registry of Python tools that serves nested calls from cells (``runtime.md`` §4.4).
+
+Decorate functions with :func:`tool` (or :meth:`ToolRegistry.tool`); the registry publishes them as
+:class:`~codemode.protocol.types.ToolDefinition` values for :class:`ExecuteRequest` and, being a
+:class:`~codemode.protocol.session.CodeModeSessionDelegate`, dispatches the calls cells make.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import inspect
+import threading
+import typing
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Generic, ParamSpec, TypeVar, overload
+
+import msgspec
+
+from codemode.errors import CodeModeError
+from codemode.model.exec_tool import NamespaceDescription
+from codemode.protocol.constants import PUBLIC_TOOL_NAME, WAIT_TOOL_NAME
+from codemode.protocol.session import CancellationToken, CodeModeSessionDelegate
+from codemode.protocol.types import (
+    JSON,
+    CellId,
+    CodeModeNestedToolCall,
+    CodeModeToolKind,
+    ToolDefinition,
+    ToolName,
+)
+
+__all__ = [
+    "NotifyCallback",
+    "Tool",
+    "ToolContext",
+    "ToolRegistry",
+    "flat_tool_name",
+    "tool",
+]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+#: ``(call_id, cell_id, text)``; may be a coroutine function.
+NotifyCallback = Callable[[str, CellId, str], Awaitable[None] | None]
+
+_EXEC_ITSELF: Final = "exec cannot invoke itself"
+_MUTABLE_DEFAULTS: Final = (list, dict, set, bytearray)
+
+
+def flat_tool_name(tool_name: ToolName) -> str:
+    """The definition name of a tool: ``namespace__name``, or ``name`` without namespace."""
+    if tool_name.namespace:
+        return f"{tool_name.namespace}__{tool_name.name}"
+    return tool_name.name
+
+
+@dataclass(frozen=True, slots=True)
+class ToolContext:
+    """Facts about one nested call, injected into a parameter annotated ``ToolContext``.
+
+    ``call_id`` is the call's own outer id (``exec-`` + a UUIDv4); ``cell_id`` and
+    ``runtime_tool_call_id`` record that it came from code mode.
+    """
+
+    call_id: str
+    cell_id: CellId
+    runtime_tool_call_id: str
+    cancellation: CancellationToken
+
+
+def _schema_of(annotation: object, extra_keys: object = None) -> dict[str, JSON]:
+    """A self-contained JSON Schema of a type: the root inlined, other components in ``$defs``.
+
+    ``extra_keys`` (the annotation of a ``**kwargs`` parameter) becomes ``additionalProperties``.
+    """
+    types = [annotation] if extra_keys is None else [annotation, extra_keys]
+    roots, components = msgspec.json.schema_components(types, ref_template="#/$defs/{name}")
+    schema = _inline_root(roots[0], components)
+    if extra_keys is not None:
+        schema["additionalProperties"] = roots[1] or True  # `Any` has the empty schema
+    return schema
+
+
+def _inline_root(root: dict[str, JSON], components: dict[str, JSON]) -> dict[str, JSON]:
+    ref = root.get("$ref")
+    if isinstance(ref, str) and len(root) == 1:
+        name = ref.removeprefix("#/$defs/")
+        referenced = [key for key in components if key != name]
+        # Only inline when nothing else points back at the root component (recursive types).
+        if not any(_mentions(components[key], ref) for key in referenced) and not _mentions(
+            components[name], ref
+        ):
+            root = dict(components[name])
+            root.pop("title", None)
+            components = {key: components[key] for key in referenced}
+    root = dict(root)
+    if components:
+        root["$defs"] = components
+    return root
+
+
+def _mentions(schema: JSON, ref: str) -> bool:
+    if isinstance(schema, dict):
+        return schema.get("$ref") == ref or any(_mentions(v, ref) for v in schema.values())
+    if isinstance(schema, list):
+        return any(_mentions(item, ref) for item in schema)
+    return False
+
+
+def _default_field(default: object) -> object:
+    if isinstance(default, _MUTABLE_DEFAULTS):
+        return msgspec.field(default_factory=lambda: copy.deepcopy(default))
+    return default
+
+
+class Tool(Generic[P, R]):
+    """A Python function published as a nested tool; calling it calls the function."""
+
+    __slots__ = (
+        "_args_type",
+        "_context_parameter",
+        "_extra_keys",
+        "_positional",
+        "definition",
+        "function",
+        "is_async",
+    )
+
+    def __init__(
+        self,
+        function: Callable[P, R],
+        *,
+        name: str | None = None,
+        namespace: str | None = None,
+        description: str | None = None,
+        output_schema: object = None,
+        freeform: bool = False,
+    ) -> None:
+        self.function = function
+        self.is_async = inspect.iscoroutinefunction(function)
+        tool_name = ToolName(name or function.__name__, namespace)
+        flat = flat_tool_name(tool_name)
+        if namespace is None and flat in (PUBLIC_TOOL_NAME, WAIT_TOOL_NAME):
+            raise ValueError(f"`{flat}` is reserved: exec and wait are never nested tools")
+        hints = typing.get_type_hints(function, include_extras=True)
+        fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
+        positional: list[str] = []
+        self._context_parameter: str | None = None
+        # The type of a `**kwargs` parameter, which then receives the undeclared keys.
+        self._extra_keys: Any = None
+        for parameter in inspect.signature(function).parameters.values():
+            annotation = hints.get(parameter.name, Any)
+            if parameter.kind is parameter.VAR_POSITIONAL:
+                raise TypeError(f"tool `{flat}`: *args parameters are not supported")
+            if parameter.kind is parameter.VAR_KEYWORD:
+                self._extra_keys = dict[str, annotation]  # type: ignore[valid-type]
+                continue
+            if parameter.kind is parameter.POSITIONAL_ONLY:
+                positional.append(parameter.name)
+            if annotation is ToolContext:
+                self._context_parameter = parameter.name
+                continue
+            if parameter.default is parameter.empty:
+                fields.append((parameter.name, annotation))
+            else:
+                fields.append((parameter.name, annotation, _default_field(parameter.default)))
+        self._positional = tuple(positional)
+        if freeform:
+            if self._extra_keys is not None or len(fields) != 1 or fields[0][1] not in (str, Any):
+                raise TypeError(f"freeform tool `{flat}` must take exactly one `str` parameter")
+            self._args_type: type[msgspec.Struct] | None = None
+            input_schema: JSON = None
+        else:
+            self._args_type = msgspec.defstruct(
+                f"{normalize_name(flat)}_arguments",
+                fields,
+                forbid_unknown_fields=self._extra_keys is None,
+            )
+            extra = None if self._extra_keys is None else self._extra_keys.__args__[1]
+            input_schema = _schema_of(self._args_type, extra)
+        if output_schema is not None and not isinstance(output_schema, dict | bool):
+            output_schema = _schema_of(output_schema)  # a Python type
+        doc = inspect.getdoc(function)
+        self.definition = ToolDefinition(
+            name=flat,
+            tool_name=tool_name,
+            description=(doc or "") if description is None else description,
+            kind=CodeModeToolKind.FREEFORM if freeform else CodeModeToolKind.FUNCTION,
+            input_schema=input_schema,
+            output_schema=output_schema,
+        )
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self.function(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"Tool({self.definition.name!r})"
+
+    def _bind(self, arguments: JSON, context: ToolContext) -> tuple[list[Any], dict[str, Any]]:
+        """Validate ``arguments`` against the type hints and split them for the call."""
+        name = self.definition.name
+        if self._args_type is None:
+            values: dict[str, Any] = {self._freeform_parameter(): arguments}
+        else:
+            try:
+                converted = msgspec.convert(arguments, self._args_type)
+                fields = converted.__struct_fields__
+                values = {field: getattr(converted, field) for field in fields}
+                if self._extra_keys is not None:
+                    extra = {k: v for k, v in arguments.items() if k not in values}
+                    values.update(msgspec.convert(extra, self._extra_keys))
+            except msgspec.ValidationError as error:
+                raise CodeModeError(f"invalid arguments for tool `{name}`: {error}") from None
+        if self._context_parameter is not None:
+            values[self._context_parameter] = context
+        args = [values.pop(parameter) for parameter in self._positional]
+        return args, values
+
+    def _freeform_parameter(self) -> str:
+        parameters = inspect.signature(self.function).parameters
+        return next(name for name in parameters if name != self._context_parameter)
+
+    async def invoke(self, arguments: JSON, context: ToolContext) -> JSON:
+        """Validate, run (sync functions in a worker thread) and return the JSON result."""
+        args, kwargs = self._bind(arguments, context)
+        function: Callable[..., Any] = self.function
+        try:
+            if self.is_async:
+                result = await function(*args, **kwargs)
+            else:
+                result = await asyncio.to_thread(function, *args, **kwargs)
+        except CodeModeError:
+            raise
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            raise CodeModeError(
+                f"tool `{self.definition.name}` failed: {type(error).__name__}: {error}"
+            ) from error
+        try:
+            return msgspec.to_builtins(result)
+        except (TypeError, ValueError) as error:
+            raise CodeModeError(
+                f"tool `{self.definition.name}` returned a value that is not JSON: {error}"
+            ) from None
+
+
+def normalize_name(name: str) -> str:
+    """A Python-identifier-safe spelling of a tool name (for generated type names)."""
+    cleaned = "".join(c if c.isascii() and (c.isalnum() or c == "_") else "_" for c in name)
+    return cleaned if cleaned[:1].isalpha() else f"tool_{cleaned}"
+
+
+@overload
+def tool(function: Callable[P, R], /) -> Tool[P, R]: ...
+
+
+@overload
+def tool(
+    *,
+    name: str | None = None,
+    namespace: str | None = None,
+    description: str | None = None,
+    output_schema: object = None,
+    freeform: bool = False,
+) -> Callable[[Callable[P, R]], Tool[P, R]]: ...
+
+
+def tool(
+    function: Callable[P, R] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    namespace: str | None = None,
+    description: str | None = None,
+    output_schema: object = None,
+    freeform: bool = False,
+) -> Tool[P, R] | Callable[[Callable[P, R]], Tool[P, R]]:
+    """Make a function a nested tool.
+
+    ``name`` defaults to the function name, ``description`` to its docstring; the input schema
+    comes from the parameters' type hints (``Annotated[..., msgspec.Meta(description=...)]`` adds
+    property descriptions). ``output_schema`` is a JSON Schema or a Python type. A ``freeform``
+    tool takes exactly one ``str``.
+    """
+
+    def decorate(function: Callable[P, R]) -> Tool[P, R]:
+        return Tool(
+            function,
+            name=name,
+            namespace=namespace,
+            description=description,
+            output_schema=output_schema,
+            freeform=freeform,
+        )
+
+    return decorate if function is None else decorate(function)
+
+
+class ToolRegistry(CodeModeSessionDelegate):
+    """Registered tools, published as definitions and served as the session's delegate.
+
+    Every registered tool is enabled for every cell; a call for anything else is rejected. Sync
+    tools run in worker threads; a cancelled call cancels an async tool's task (a sync tool's
+    thread cannot be interrupted, so its result is simply dropped).
+    """
+
+    def __init__(
+        self, tools: Iterable[Tool[..., Any]] = (), *, on_notify: NotifyCallback | None = None
+    ) -> None:
+        self._tools: dict[ToolName, Tool[..., Any]] = {}
+        self._namespaces: dict[str, NamespaceDescription] = {}
+        self._on_notify = on_notify
+        for item in tools:
+            self.add(item)
+
+    def add(self, item: Tool[P, R]) -> Tool[P, R]:
+        """Register ``item``; its tool name must be new."""
+        key = item.definition.tool_name
+        if key in self._tools:
+            raise ValueError(f"tool `{item.definition.name}` is already registered")
+        self._tools[key] = item
+        return item
+
+    @overload
+    def tool(self, function: Callable[P, R], /) -> Tool[P, R]: ...
+
+    @overload
+    def tool(
+        self,
+        /,
+        *,
+        name: str | None = None,
+        namespace: str | None = None,
+        description: str | None = None,
+        output_schema: object = None,
+        freeform: bool = False,
+    ) -> Callable[[Callable[P, R]], Tool[P, R]]: ...
+
+    def tool(
+        self,
+        function: Callable[P, R] | None = None,
+        /,
+        *,
+        name: str | None = None,
+        namespace: str | None = None,
+        description: str | None = None,
+        output_schema: object = None,
+        freeform: bool = False,
+    ) -> Tool[P, R] | Callable[[Callable[P, R]], Tool[P, R]]:
+        """Like :func:`tool`, and register the result here."""
+
+        def decorate(function: Callable[P, R]) -> Tool[P, R]:
+            return self.add(
+                Tool(
+                    function,
+                    name=name,
+                    namespace=namespace,
+                    description=description,
+                    output_schema=output_schema,
+                    freeform=freeform,
+                )
+            )
+
+        return decorate if function is None else decorate(function)
+
+    def describe_namespace(
+        self, namespace: str, description: str, *, title: str | None = None
+    ) -> None:
+        """Register the text shown above ``namespace``'s tools (heading ``title`` or the name)."""
+        self._namespaces[namespace] = NamespaceDescription(title or namespace, description)
+
+    def definitions(self) -> list[ToolDefinition]:
+        """The enabled tools, in registration order."""
+        return [item.definition for item in self._tools.values()]
+
+    def namespace_descriptions(self) -> Mapping[str, NamespaceDescription]:
+        """Registered namespace descriptions, keyed by namespace."""
+        return dict(self._namespaces)
+
+    def get(self, tool_name: ToolName) -> Tool[..., Any] | None:
+        """The tool registered under ``tool_name``, if any."""
+        return self._tools.get(tool_name)
+
+    def _arguments(self, item: Tool[..., Any], invocation: CodeModeNestedToolCall) -> JSON:
+        """Apply the §4.4 input rules; the rejection texts are exact."""
+        name = item.definition.name
+        payload = invocation.input
+        if item.definition.kind is CodeModeToolKind.FREEFORM:
+            if not isinstance(payload, str):
+                raise CodeModeError(f"tool `{name}` expects a string input")
+            return payload
+        if payload is None:
+            return {}
+        if not isinstance(payload, dict):
+            raise CodeModeError(f"tool `{name}` expects a JSON object for arguments")
+        return payload
+
+    async def invoke_tool(
+        self, invocation: CodeModeNestedToolCall, cancellation: CancellationToken
+    ) -> JSON:
+        """Dispatch one nested call; failures reject the JavaScript promise with their text."""
+        requested = invocation.tool_name
+        if requested.namespace is None and requested.name == PUBLIC_TOOL_NAME:
+            raise CodeModeError(_EXEC_ITSELF)
+        item = self._tools.get(requested)
+        if item is None:
+            raise CodeModeError(f"tool `{flat_tool_name(requested)}` is not enabled in exec")
+        arguments = self._arguments(item, invocation)
+        context = ToolContext(
+            call_id=f"exec-{uuid.uuid4()}",
+            cell_id=invocation.cell_id,
+            runtime_tool_call_id=invocation.runtime_tool_call_id,
+            cancellation=cancellation,
+        )
+        return await _cancellable(
+            item.invoke(arguments, context),
+            cancellation,
+            f"tool `{item.definition.name}` was cancelled",
+        )
+
+    async def notify(
+        self, call_id: str, cell_id: CellId, text: str, cancellation: CancellationToken
+    ) -> None:
+        """Route a ``notify(...)`` text to the callback given at construction, if any."""
+        if self._on_notify is None:
+            return
+        callback = self._on_notify
+
+        async def deliver() -> None:
+            result = callback(call_id, cell_id, text)
+            if inspect.isawaitable(result):
+                await result
+
+        await _cancellable(deliver(), cancellation, "notification was cancelled")
+
+    def cell_closed(self, cell_id: CellId) -> None:
+        """No per-cell state is kept; override to release your own."""
+
+
+async def _cancellable(
+    work: Awaitable[R], cancellation: CancellationToken, cancelled_message: str
+) -> R:
+    """Run ``work`` as a task that the token cancels; a token-cancelled run raises the message."""
+    if cancellation.is_cancelled():
+        if inspect.iscoroutine(work):
+            work.close()  # never started: avoid a "never awaited" warning
+        raise CodeModeError(cancelled_message)
+    task = asyncio.ensure_future(work)
+    loop = asyncio.get_running_loop()
+    loop_thread = threading.get_ident()
+
+    def cancel_task() -> None:
+        # The token may fire from another thread; a task is only cancelled on its own loop.
+        if threading.get_ident() == loop_thread:
+            task.cancel()
+        else:
+            loop.call_soon_threadsafe(task.cancel)
+
+    cancellation.add_callback(cancel_task)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise  # our caller is being cancelled: not the token's doing
+        raise CodeModeError(cancelled_message) from None
