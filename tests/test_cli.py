@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -85,3 +86,107 @@ def test_wire_frames_reads_stdin() -> None:
     result = codemode("wire", "frames", "-", stdin=data)
     assert result.returncode == 0
     assert result.stdout == b'{"type":"cell/closed","sessionId":"s","cellId":"1"}\n'
+
+
+# -- codemode run ---------------------------------------------------------------------------------
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_run_example_orchestration() -> None:
+    result = codemode(
+        "run", str(EXAMPLES / "orchestrate.js"), "--tools", str(EXAMPLES / "tools.py")
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.decode()
+    assert out.startswith("Script completed\nWall time ")
+    assert "average: 17.0°C" in out
+    assert "expected failure: tool `weather` failed: ValueError: unknown city 'atlantis'" in out
+    assert "[image: data:image/png;base64," in out
+    assert b"notify: fetching weather for 3 cities" in result.stderr
+
+
+def test_run_json_prints_one_wire_response() -> None:
+    result = codemode(
+        "run", str(EXAMPLES / "orchestrate.js"), "--tools", str(EXAMPLES / "tools.py"), "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1
+    body = json.loads(lines[0])["Result"]
+    assert body["error_text"] is None
+    assert body["content_items"][0] == {"type": "input_text", "text": "paris: 18°C, cloudy"}
+    assert body["content_items"][-1]["type"] == "input_image"
+
+
+def test_run_script_error_exits_1() -> None:
+    result = codemode("run", "-", "--json", stdin=b'text("partial"); throw "boom"')
+    assert result.returncode == 1
+    assert json.loads(result.stdout) == {
+        "Result": {
+            "cell_id": "1",
+            "content_items": [{"type": "input_text", "text": "partial"}],
+            "error_text": "boom",
+        }
+    }
+
+
+def test_run_waits_on_a_yielding_cell_until_it_completes() -> None:
+    source = b'text("a"); await new Promise(r => setTimeout(r, 300)); text("b")'
+    result = codemode("run", "-", "--yield-ms", "50", stdin=source)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.decode()
+    assert (
+        out.index("Script running with cell ID 1")
+        < out.index("\na\n")
+        < out.index("Script completed")
+    )
+    assert out.rstrip().endswith("b")
+    merged = codemode("run", "-", "--yield-ms", "50", "--json", stdin=source)
+    items = json.loads(merged.stdout)["Result"]["content_items"]
+    assert [item["text"] for item in items] == ["a", "b"]
+
+
+def test_run_pragma_is_honoured() -> None:
+    source = (
+        b'// @exec: {"yield_time_ms": 20}\nawait new Promise(r => setTimeout(r, 200)); text("done")'
+    )
+    result = codemode("run", "-", stdin=source)
+    assert result.returncode == 0
+    assert b"Script running with cell ID 1" not in result.stdout  # nothing to show while yielding
+    assert result.stdout.rstrip().endswith(b"done")
+
+
+def test_run_plain_and_decorated_tools(tmp_path: Path) -> None:
+    tools = tmp_path / "tools.py"
+    tools.write_text(
+        "from codemode.model import tool\n"
+        "def double(args):\n    return {'value': args['n'] * 2}\n"
+        "async def fails(args):\n    raise RuntimeError('nope')\n"
+        "@tool\ndef add(a: int, b: int) -> int:\n    'Add two numbers.'\n    return a + b\n"
+        "def _private(args):\n    return 1\n"
+    )
+    source = (
+        b"text(JSON.stringify(await tools.double({n: 21})));"
+        b"text(String(await tools.add({a: 1, b: 2})));"
+        b"try { await tools.fails({}) } catch (e) { text(e) }"
+        b"try { await tools.add({a: 'x', b: 2}) } catch (e) { text(e) }"
+        b"text(typeof tools._private)"
+    )
+    result = codemode("run", "-", "--tools", str(tools), "--json", stdin=source)
+    assert result.returncode == 0, result.stderr
+    texts = [item["text"] for item in json.loads(result.stdout)["Result"]["content_items"]]
+    assert texts[0] == '{"value":42}'
+    assert texts[1] == "3"
+    assert texts[2] == "tool `fails` failed: RuntimeError: nope"
+    assert texts[3].startswith("invalid arguments for tool `add`: ")
+    assert texts[4] == "undefined"
+
+
+def test_run_usage_errors_exit_2(tmp_path: Path) -> None:
+    assert codemode("run", str(tmp_path / "missing.js")).returncode == 2
+    pragma = codemode("run", "-", stdin=b'// @exec: {"nope": 1}\ntext(1)')
+    assert pragma.returncode == 2
+    assert b"exec pragma only supports" in pragma.stderr
+    assert codemode("run", "-", "--yield-ms", "-5", stdin=b"text(1)").returncode == 2
+    assert codemode("run", "-", "--tools", str(tmp_path / "none.py"), stdin=b"1").returncode == 2

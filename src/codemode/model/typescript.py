@@ -15,6 +15,7 @@ from urllib.parse import unquote
 
 import msgspec
 
+from codemode.protocol.identifiers import normalize_identifier
 from codemode.protocol.types import JSON, CodeModeToolKind, ToolDefinition
 from codemode.protocol.whitespace import trim
 
@@ -55,19 +56,6 @@ _BAD_POINTER_ESCAPE: Final = re.compile(r"~(?![01])")
 _ARRAY_INDEX: Final = re.compile(r"0|[1-9][0-9]*")
 _ENCODER: Final = msgspec.json.Encoder()
 _MISSING: Final = object()
-
-
-def normalize_identifier(name: str) -> str:
-    """Turn a tool name into the JavaScript identifier used on ``tools`` (§4.1)."""
-    if name.isascii() and (name.isidentifier() or not name):
-        # Fast path: an ASCII Python identifier only needs `$` handled, which it cannot contain.
-        return name or "_"
-    chars = []
-    for index, char in enumerate(name):
-        letter = char in "_$" or "a" <= char <= "z" or "A" <= char <= "Z"
-        digit = index > 0 and "0" <= char <= "9"
-        chars.append(char if letter or digit else "_")
-    return "".join(chars) or "_"
 
 
 def _utf8_len(text: str) -> int:

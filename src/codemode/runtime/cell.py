@@ -1,0 +1,314 @@
+"""One cell's life: observations, buffering, nested calls, termination (``runtime.md`` §13).
+
+A :class:`Cell` receives the engine's events (items, tool calls, notifications, yields, completion)
+in the order the JavaScript produced them and turns them into outcomes for at most one observer at
+a time. Content items accumulate until an observation ends; a completion nobody observes is
+buffered for the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Final
+
+import msgspec
+
+from codemode.errors import CodeModeError
+from codemode.protocol.session import CancellationToken
+from codemode.protocol.types import (
+    CellId,
+    CodeModeNestedToolCall,
+    ContentItem,
+    LiveCell,
+    Result,
+    RuntimeResponse,
+    Terminated,
+    ToolDefinition,
+    Yielded,
+)
+from codemode.runtime.engine import encode_json
+
+if TYPE_CHECKING:
+    from codemode.runtime.session import LocalSession
+
+__all__ = ["CALLBACK_GRACE", "Cell"]
+
+logger = logging.getLogger("codemode.runtime")
+
+#: How long a cancelled delegate callback may take to finish before it is abandoned (§4.5).
+CALLBACK_GRACE: Final = 0.1
+#: How long terminate waits for the engine to confirm that the isolate stopped.
+STOP_TIMEOUT: Final = 2.0
+_DECODER: Final = msgspec.json.Decoder()
+
+
+class _State(Enum):
+    RUNNING = "running"  # the JavaScript runs (or waits)
+    FINISHING = "finishing"  # the engine reported an end; callbacks are being settled
+    COMPLETED = "completed"  # the completion is ready for (or buffered for) an observer
+    TERMINATING = "terminating"
+    CLOSED = "closed"
+
+
+class _Observer:
+    __slots__ = ("future", "timer", "yield_ms")
+
+    def __init__(self, future: asyncio.Future[RuntimeResponse], yield_ms: int) -> None:
+        self.future = future
+        self.yield_ms = yield_ms
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class Cell:
+    """The state machine of one admitted cell of a :class:`LocalSession`."""
+
+    def __init__(
+        self,
+        session: LocalSession,
+        cell_id: CellId,
+        call_id: str,
+        tools: list[ToolDefinition],
+    ) -> None:
+        self.cell_id = cell_id
+        self.key = 0  # the engine's key, set once the engine runs the cell
+        self._session = session
+        self._loop = asyncio.get_running_loop()
+        self._call_id = call_id
+        self._tools = tools
+        self._state = _State.RUNNING
+        self._items: list[ContentItem] = []
+        self._observer: _Observer | None = None
+        self._observed = False
+        self._parked_yield = False
+        self._started = False
+        self._error_text: str | None = None
+        self._calls: dict[str, tuple[asyncio.Future[Any], CancellationToken]] = {}
+        self._notifications: dict[asyncio.Future[None], CancellationToken] = {}
+        self._stopped = asyncio.Event()
+        self._finishing: asyncio.Task[None] | None = None
+
+    @property
+    def closed(self) -> bool:
+        """True once the cell's terminal outcome was delivered (or it was terminated)."""
+        return self._state is _State.CLOSED
+
+    # -- observations --------------------------------------------------------------------------
+
+    async def observe(self, yield_ms: int) -> RuntimeResponse:
+        """Attach an observation; returns the outcome that ends it."""
+        if self._observer is not None:
+            raise CodeModeError(f"exec cell {self.cell_id} already has an active observer")
+        observer = _Observer(self._loop.create_future(), yield_ms)
+        self._observer = observer
+        self._observed = True
+        if self._state is _State.COMPLETED:
+            self._deliver(self._completion())
+        elif self._parked_yield:
+            self._parked_yield = False
+            self._deliver(Yielded(self.cell_id, self._drain()))
+        elif self._started:
+            self._arm(observer)
+        try:
+            response = await observer.future
+        except asyncio.CancelledError:
+            if self._observer is observer:
+                self._detach()
+            elif observer.future.done() and not observer.future.cancelled():
+                self._undeliver(observer.future.result())
+            raise
+        if isinstance(response, Result):
+            self._close()
+        return response
+
+    def _arm(self, observer: _Observer) -> None:
+        if observer.timer is None:
+            observer.timer = self._loop.call_later(
+                observer.yield_ms / 1000, self._yield_to, observer
+            )
+
+    def _yield_to(self, observer: _Observer) -> None:
+        if self._observer is observer and self._state is _State.RUNNING:
+            self._deliver(Yielded(self.cell_id, self._drain()))
+
+    def _drain(self) -> list[ContentItem]:
+        items, self._items = self._items, []
+        return items
+
+    def _deliver(self, response: RuntimeResponse) -> None:
+        observer, self._observer = self._observer, None
+        if observer is None:
+            return
+        if observer.timer is not None:
+            observer.timer.cancel()
+        observer.future.set_result(response)
+
+    def _detach(self) -> None:
+        observer, self._observer = self._observer, None
+        if observer is not None and observer.timer is not None:
+            observer.timer.cancel()
+
+    def _undeliver(self, response: RuntimeResponse) -> None:
+        # The observer vanished after its outcome was set: its items go back to the front (a
+        # completion stays buffered, since the cell only closes once an observer consumed it).
+        if self._state is not _State.CLOSED:
+            self._items[:0] = response.content_items
+
+    def _completion(self) -> Result:
+        return Result(self.cell_id, self._drain(), self._error_text)
+
+    # -- engine events ---------------------------------------------------------------------------
+
+    def on_started(self) -> None:
+        self._started = True
+        if self._observer is not None:
+            self._arm(self._observer)
+
+    def on_item(self, item: ContentItem) -> None:
+        if self._state is _State.RUNNING:
+            self._items.append(item)
+
+    def on_yield(self) -> None:
+        if self._state is not _State.RUNNING:
+            return
+        if self._observer is not None:
+            self._deliver(Yielded(self.cell_id, self._drain()))
+        elif not self._observed:
+            self._parked_yield = True
+
+    def on_call(self, call_id: str, tool: int, input_json: str | None) -> None:
+        if self._state is not _State.RUNNING:
+            return
+        definition = self._tools[tool]
+        token = CancellationToken()
+        invocation = CodeModeNestedToolCall(
+            self.cell_id,
+            call_id,
+            definition.tool_name,
+            definition.kind,
+            None if input_json is None else _DECODER.decode(input_json),
+        )
+        task = asyncio.ensure_future(self._session.delegate.invoke_tool(invocation, token))
+        self._calls[call_id] = (task, token)
+        task.add_done_callback(lambda done: self._call_done(call_id, done, token))
+
+    def _call_done(self, call_id: str, task: asyncio.Future[Any], token: CancellationToken) -> None:
+        self._calls.pop(call_id, None)
+        value: str | msgspec.Raw
+        if task.cancelled():
+            ok, value = False, "code-mode delegate task was cancelled"
+        elif (error := task.exception()) is not None:
+            ok = False
+            if isinstance(error, CodeModeError):
+                value = error.message
+            else:
+                value = f"code-mode delegate task failed: {error}"
+        else:
+            try:
+                ok, value = True, msgspec.Raw(encode_json(task.result()))
+            except (TypeError, ValueError, OverflowError) as error:
+                ok, value = False, f"code-mode delegate returned a value that is not JSON: {error}"
+        if token.is_cancelled() or self._state is not _State.RUNNING:
+            return  # nobody wants it any more
+        self._session.engine.send_result(self.key, call_id, ok, value)
+
+    def on_notify(self, text: str) -> None:
+        if self._state is not _State.RUNNING:
+            return
+        token = CancellationToken()
+        task = asyncio.ensure_future(
+            self._session.delegate.notify(self._call_id, self.cell_id, text, token)
+        )
+        self._notifications[task] = token
+        task.add_done_callback(self._notification_done)
+
+    def _notification_done(self, task: asyncio.Future[None]) -> None:
+        self._notifications.pop(task, None)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            logger.warning("failed to deliver code mode notification: %s", error)
+
+    def on_done(self, error: str | None, writes: list[tuple[str, str]]) -> None:
+        if self._state is _State.RUNNING:
+            self._state = _State.FINISHING
+            self._finishing = asyncio.ensure_future(self._finish(error, writes, natural=True))
+
+    def on_exited(self, reason: str, detail: str | None) -> None:
+        self._stopped.set()
+        if self._state is not _State.RUNNING:
+            return
+        self._state = _State.FINISHING
+        if reason == "oom":
+            limit = self._session.limits.max_heap_size_bytes
+            message = f"exec cell exceeded the heap limit of {limit} bytes"
+        else:
+            if detail:
+                logger.warning("exec cell %s: engine failure: %s", self.cell_id, detail)
+            message = "exec runtime ended unexpectedly"
+        self._finishing = asyncio.ensure_future(self._finish(message, [], natural=False))
+
+    # -- ends ------------------------------------------------------------------------------------
+
+    async def _finish(
+        self, error: str | None, writes: list[tuple[str, str]], natural: bool
+    ) -> None:
+        """Natural-completion order (§13.7); a termination that wins the race stops it."""
+        if natural and self._notifications:
+            await asyncio.wait(list(self._notifications))
+        else:
+            self._cancel(self._notifications)
+        await self._settle_calls()
+        if self._state is not _State.FINISHING:
+            return  # a termination won the race: the completion is discarded
+        if natural:
+            self._session.commit(writes)
+        self._error_text = error
+        self._state = _State.COMPLETED
+        if self._observer is not None:
+            self._deliver(self._completion())
+
+    async def _settle_calls(self) -> None:
+        tasks = self._cancel(dict(self._calls.values()))
+        tasks += self._cancel(self._notifications)
+        if tasks:
+            await asyncio.wait(tasks, timeout=CALLBACK_GRACE)
+
+    @staticmethod
+    def _cancel(callbacks: dict[Any, CancellationToken]) -> list[asyncio.Future[Any]]:
+        pending = [task for task in callbacks if not task.done()]
+        for token in list(callbacks.values()):
+            token.cancel()
+        return pending
+
+    async def terminate(self) -> LiveCell:
+        """Stop the cell (§13.6): a buffered natural completion wins over termination."""
+        if self._state is _State.COMPLETED:
+            completion = self._completion()
+            self._close()
+            return LiveCell(completion)
+        if self._state is _State.TERMINATING:
+            raise CodeModeError(f"exec cell {self.cell_id} is already terminating")
+        if self._state is _State.CLOSED:
+            raise CodeModeError(f"exec cell {self.cell_id} is closed")
+        self._state = _State.TERMINATING
+        self._session.engine.terminate(self.key)
+        await self._settle_calls()
+        if not self._stopped.is_set():
+            try:
+                await asyncio.wait_for(self._stopped.wait(), STOP_TIMEOUT)
+            except TimeoutError:
+                logger.warning("exec cell %s: the engine did not confirm the stop", self.cell_id)
+        response = Terminated(self.cell_id, self._drain())
+        self._deliver(response)
+        self._close()
+        return LiveCell(response)
+
+    def _close(self) -> None:
+        if self._state is _State.CLOSED:
+            return
+        self._state = _State.CLOSED
+        self._session.forget(self)
+        try:
+            self._session.delegate.cell_closed(self.cell_id)
+        except Exception:
+            logger.exception("cell_closed(%s) failed", self.cell_id)
