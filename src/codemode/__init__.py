@@ -4,6 +4,7 @@ Run model-written JavaScript cells that call your tools back, in process or on a
 """
 
 from codemode.errors import CodeModeError, FrameError, ProtocolError, WireConversionError
+from codemode.model import CodeMode, Tool, ToolRegistry, tool
 from codemode.protocol import (
     CancellationToken,
     CellId,
@@ -40,6 +41,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CancellationToken",
     "CellId",
+    "CodeMode",
     "CodeModeError",
     "CodeModeNestedToolCall",
     "CodeModeSession",
@@ -63,11 +65,14 @@ __all__ = [
     "RuntimeResponse",
     "StartedCell",
     "Terminated",
+    "Tool",
     "ToolDefinition",
     "ToolName",
+    "ToolRegistry",
     "WaitOutcome",
     "WaitRequest",
     "WireConversionError",
     "Yielded",
     "parse_exec_source",
+    "tool",
 ]

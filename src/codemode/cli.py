@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -11,6 +13,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from codemode.errors import CodeModeError, FrameError
+from codemode.host import HostOptions, serve_v1_connection
 from codemode.model.registry import ToolRegistry
 from codemode.model.render import render_response
 from codemode.model.toolfile import load_tool_file
@@ -27,7 +30,11 @@ from codemode.protocol import (
     Yielded,
     parse_exec_source,
 )
-from codemode.protocol.constants import DEFAULT_WAIT_YIELD_TIME_MS
+from codemode.protocol.constants import (
+    DEFAULT_MAX_ACTIVE_CELLS,
+    DEFAULT_MAX_IN_FLIGHT_REQUESTS,
+    DEFAULT_WAIT_YIELD_TIME_MS,
+)
 from codemode.protocol.v1 import (
     EOF,
     NEED_DATA,
@@ -48,6 +55,7 @@ from codemode.protocol.v1.messages import (
     WireSessionCellExecutionLimits,
 )
 from codemode.runtime import LocalSessionProvider
+from codemode.transports import stdio_transport
 
 __all__ = ["main"]
 
@@ -128,6 +136,13 @@ def _non_negative(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = _non_negative(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("expected a positive integer, got 0")
     return value
 
 
@@ -230,6 +245,44 @@ def _run_command(args: argparse.Namespace) -> int:
         return 130
 
 
+async def _host_stdio(args: argparse.Namespace) -> int:
+    options = HostOptions(
+        max_in_flight_requests=args.max_in_flight_requests,
+        max_active_cells=args.max_active_cells,
+    )
+    provider = LocalSessionProvider(store_load=not args.no_store_load)
+    # Start the engine while the client says hello.
+    warming = asyncio.ensure_future(provider.engine.start())
+    try:
+        transport = await stdio_transport()
+        clean = await serve_v1_connection(transport, provider, options)
+    finally:
+        if not warming.done():
+            warming.cancel()
+        with contextlib.suppress(BaseException):
+            await warming
+        await provider.aclose()
+    return 0 if clean else 1
+
+
+def _host_command(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="codemode host: %(levelname)s %(message)s",
+    )
+    if not args.stdio:
+        print(
+            "codemode host: --stdio is required (WebSocket hosting is not available yet)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        return asyncio.run(_host_stdio(args))
+    except KeyboardInterrupt:
+        return 130
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="codemode",
@@ -260,6 +313,29 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--json", action="store_true", help="print the final response as wire JSON")
     run.set_defaults(handler=_run_command)
+
+    host = commands.add_parser(
+        "host",
+        help="serve sessions to a remote client over Protocol V1",
+        description="Serve the embedded runtime over Protocol V1. With --stdio, serve exactly one "
+        "connection on stdin/stdout (stdout carries frames only; logs go to stderr) and exit when "
+        "stdin ends: status 0 after a clean end, 1 after a connection error.",
+    )
+    host.add_argument("--stdio", action="store_true", help="serve one connection on stdin/stdout")
+    host.add_argument(
+        "--max-in-flight-requests",
+        type=_positive,
+        default=DEFAULT_MAX_IN_FLIGHT_REQUESTS,
+        metavar="N",
+    )
+    host.add_argument(
+        "--max-active-cells", type=_positive, default=DEFAULT_MAX_ACTIVE_CELLS, metavar="N"
+    )
+    host.add_argument(
+        "--no-store-load", action="store_true", help="cells get no store/load globals"
+    )
+    host.add_argument("--verbose", action="store_true", help="debug logging on stderr")
+    host.set_defaults(handler=_host_command)
 
     wire = commands.add_parser("wire", help="validate Protocol V1 messages and frame captures")
     wire_commands = wire.add_subparsers(dest="wire_command", required=True, metavar="WIRE_COMMAND")

@@ -6,6 +6,7 @@ carriers join the ``IMPLEMENTATIONS`` list as they land) and cleans them up afte
 
 from __future__ import annotations
 
+import sys
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -16,6 +17,7 @@ from codemode.protocol import (
     CodeModeSessionCellExecutionLimits,
     CodeModeSessionDelegate,
 )
+from codemode.protocol.constants import MAX_PENDING_DELEGATE_CALLS
 from tests.contract.delegate import RecordingDelegate
 
 
@@ -23,6 +25,8 @@ class Harness(Protocol):
     """Opens sessions of one implementation."""
 
     name: str
+    #: How many callbacks may be unresolved at once (``None``: no limit).
+    max_pending_callbacks: int | None
 
     async def session(
         self,
@@ -39,6 +43,7 @@ class EmbeddedHarness:
     """Sessions of the in-process runtime."""
 
     name = "embedded"
+    max_pending_callbacks: int | None = None
 
     def __init__(self) -> None:
         from codemode.runtime import LocalSessionProvider
@@ -71,7 +76,48 @@ class EmbeddedHarness:
             await provider.aclose()
 
 
-IMPLEMENTATIONS = {"embedded": EmbeddedHarness}
+class StdioHarness:
+    """Sessions on a real ``codemode host --stdio`` child, through the V1 client."""
+
+    name = "stdio"
+    # The host's limit of unresolved callbacks per connection (protocol-v1.md §8.6).
+    max_pending_callbacks: int | None = MAX_PENDING_DELEGATE_CALLS
+
+    def __init__(self) -> None:
+        from codemode.client import ProcessOwnedCodeModeSessionProvider
+
+        self._providers: dict[bool, ProcessOwnedCodeModeSessionProvider] = {}
+        self._sessions: list[CodeModeSession] = []
+
+    async def session(
+        self,
+        delegate: CodeModeSessionDelegate | None = None,
+        *,
+        limits: CodeModeSessionCellExecutionLimits | None = None,
+        store_load: bool = True,
+    ) -> CodeModeSession:
+        from codemode.client import ProcessOwnedCodeModeSessionProvider
+
+        provider = self._providers.get(store_load)
+        if provider is None:
+            command = [sys.executable, "-m", "codemode", "host", "--stdio"]
+            if not store_load:
+                command.append("--no-store-load")
+            provider = self._providers[store_load] = ProcessOwnedCodeModeSessionProvider(command)
+        session = await provider.create_session_with_limits(
+            delegate or RecordingDelegate(), limits or CodeModeSessionCellExecutionLimits()
+        )
+        self._sessions.append(session)
+        return session
+
+    async def aclose(self) -> None:
+        for session in self._sessions:
+            await session.shutdown()
+        for provider in self._providers.values():
+            await provider.aclose()
+
+
+IMPLEMENTATIONS: dict[str, type[Harness]] = {"embedded": EmbeddedHarness, "stdio": StdioHarness}
 
 
 @pytest.fixture(params=sorted(IMPLEMENTATIONS))

@@ -281,8 +281,8 @@ async def test_s20_pending_call_cancelled_before_the_result(harness: Harness) ->
         session, 'tools.block({}); await new Promise(r => setTimeout(r, 100)); text("done")'
     )
     assert result.content_items == items("done")
-    assert delegate.cancelled == ["tool-1"]
     await eventually(lambda: delegate.closed == ["1"])
+    assert delegate.cancelled == ["tool-1"]
     assert delegate.events.index("cancelled:tool-1") < delegate.events.index("closed:1")
 
 
@@ -351,16 +351,35 @@ async def test_heap_bomb_leaves_a_concurrent_cell_in_another_session_unharmed(
 
 @pytest.mark.timeout(120)
 async def test_ten_thousand_parallel_nested_calls(harness: Harness) -> None:
+    # A remote host caps unresolved callbacks per connection (§8.6): up to the cap they all
+    # complete; the embedded runtime has no cap.
+    count = min(10_000, harness.max_pending_callbacks or 10_000)
     delegate = RecordingDelegate()
     session = await harness.session(delegate)
     result = await run(
         session,
-        "const rs = await Promise.all(Array.from({length: 10000}, (_, i) => tools.echo({i}))); "
+        f"const rs = await Promise.all(Array.from({{length: {count}}}, (_, i) => tools.echo({{i}}))); "
         "text(String(rs.reduce((a, r) => a + r.i, 0)))",
         yield_ms=100_000,
     )
-    assert result.content_items == items(str(sum(range(10_000))))
-    assert len(delegate.calls) == 10_000
+    assert result.content_items == items(str(sum(range(count))))
+    assert len(delegate.calls) == count
+
+
+async def test_calls_beyond_the_callback_cap_reject(harness: Harness) -> None:
+    cap = harness.max_pending_callbacks
+    if cap is None:
+        pytest.skip("this carrier has no cap on pending callbacks")
+    session = await harness.session(RecordingDelegate())
+    result = await run(
+        session,
+        f"const calls = Array.from({{length: {cap + 5}}}, () => tools.block({{}}).catch(e => e)); "
+        "text(String(await Promise.race(calls)))",
+        yield_ms=60_000,
+    )
+    assert result.content_items == items(
+        f"code-mode host exceeded the limit of {cap} pending delegate calls"
+    )
 
 
 async def test_unobserved_completion_is_delivered_by_the_next_wait(harness: Harness) -> None:

@@ -1,6 +1,8 @@
-"""The model-facing layer: exec/wait tool definitions, result rendering, TypeScript declarations
-and a Python tool registry that serves nested calls (``runtime.md`` §4.4, §15)."""
+"""The model-facing layer: exec/wait tool definitions, result rendering, TypeScript declarations,
+a Python tool registry that serves nested calls (``runtime.md`` §4.4, §15) and :class:`CodeMode`,
+the one object an agent loop needs."""
 
+from codemode.model.codemode import CodeMode
 from codemode.model.exec_tool import (
     EXEC_GRAMMAR,
     NamespaceDescription,
@@ -34,6 +36,7 @@ from codemode.model.typescript import (
 
 __all__ = [
     "EXEC_GRAMMAR",
+    "CodeMode",
     "CodeModeToolHandler",
     "CustomToolInput",
     "FunctionToolArguments",

@@ -2,13 +2,14 @@
 
 The handler turns one model tool call into one :class:`~codemode.model.render.RenderedOutput`:
 pragma and argument errors and transport failures come back as their text verbatim (no header,
-failure); outcomes are rendered with header and truncation.
+failure); outcomes are rendered with header and truncation. It also remembers which of the cells
+it started are still running, so an owner can terminate them when it stops.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, TypeAlias
 
@@ -17,7 +18,17 @@ from codemode.model.exec_tool import parse_wait_arguments
 from codemode.model.render import RenderedOutput, render_outcome, render_response
 from codemode.protocol.pragma import parse_exec_source
 from codemode.protocol.session import CodeModeSession
-from codemode.protocol.types import CellId, ExecuteRequest, InputText, ToolDefinition, WaitRequest
+from codemode.protocol.types import (
+    CellId,
+    ExecuteRequest,
+    InputText,
+    MissingCell,
+    RuntimeResponse,
+    ToolDefinition,
+    WaitOutcome,
+    WaitRequest,
+    Yielded,
+)
 
 __all__ = [
     "EXEC_EXPECTS_FREEFORM",
@@ -66,6 +77,27 @@ class CodeModeToolHandler:
         self._session = session
         self._enabled_tools = enabled_tools
         self._clock = clock
+        # Cells started here that yielded and have not ended -> the exec call id that started them.
+        self._live: dict[CellId, str] = {}
+
+    @property
+    def session(self) -> CodeModeSession:
+        """The session the calls run on."""
+        return self._session
+
+    @property
+    def live_cells(self) -> Mapping[CellId, str]:
+        """Cells this handler started that are still running, with their exec call ids."""
+        return dict(self._live)
+
+    def _track_initial(self, call_id: str, response: RuntimeResponse) -> None:
+        if isinstance(response, Yielded):
+            self._live[response.cell_id] = call_id
+
+    def _track_outcome(self, cell_id: CellId, outcome: WaitOutcome) -> None:
+        # Only a yield keeps a cell alive; a missing cell is gone whatever we thought.
+        if isinstance(outcome, MissingCell) or not isinstance(outcome.response, Yielded):
+            self._live.pop(cell_id, None)
 
     def _tools(self) -> list[ToolDefinition]:
         tools = self._enabled_tools
@@ -90,6 +122,7 @@ class CodeModeToolHandler:
             response = await cell.initial_response()
         except CodeModeError as error:
             return _failure(error.message)
+        self._track_initial(call_id, response)
         return render_response(response, self._clock() - started, parsed.max_output_tokens)
 
     async def handle_wait(self, payload: ToolPayload | str) -> RenderedOutput:
@@ -108,4 +141,5 @@ class CodeModeToolHandler:
                 outcome = await self._session.wait(request)
         except CodeModeError as error:
             return _failure(error.message)
+        self._track_outcome(cell_id, outcome)
         return render_outcome(outcome, self._clock() - started, parsed.effective_max_tokens)

@@ -23,6 +23,8 @@ RECENT_ID_MEMORY: Final = 4096
 HANDSHAKE_TIMEOUT: Final = 10.0
 BULK_PAIRING_TIMEOUT: Final = 10.0
 SHUTDOWN_TIMEOUT: Final = 5.0
+#: How long a cancelled delegate callback may take to finish before it is abandoned (runtime §4.5).
+CALLBACK_GRACE: Final = 0.1
 
 U64_MAX: Final = 2**64 - 1
 I64_MIN: Final = -(2**63)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Final
 import msgspec
 
 from codemode.errors import CodeModeError
+from codemode.protocol.constants import CALLBACK_GRACE
 from codemode.protocol.session import CancellationToken
 from codemode.protocol.types import (
     CellId,
@@ -33,12 +34,10 @@ from codemode.runtime.engine import encode_json
 if TYPE_CHECKING:
     from codemode.runtime.session import LocalSession
 
-__all__ = ["CALLBACK_GRACE", "Cell"]
+__all__ = ["Cell"]
 
 logger = logging.getLogger("codemode.runtime")
 
-#: How long a cancelled delegate callback may take to finish before it is abandoned (§4.5).
-CALLBACK_GRACE: Final = 0.1
 #: How long terminate waits for the engine to confirm that the isolate stopped.
 STOP_TIMEOUT: Final = 2.0
 _DECODER: Final = msgspec.json.Decoder()
@@ -82,6 +81,7 @@ class Cell:
         self._observer: _Observer | None = None
         self._observed = False
         self._parked_yield = False
+        self._yield_turn = -1  # the cell's turn of the last yield_control that ended an observation
         self._started = False
         self._error_text: str | None = None
         self._calls: dict[str, tuple[asyncio.Future[Any], CancellationToken]] = {}
@@ -169,13 +169,16 @@ class Cell:
         if self._state is _State.RUNNING:
             self._items.append(item)
 
-    def on_yield(self) -> None:
+    def on_yield(self, turn: int) -> None:
         if self._state is not _State.RUNNING:
             return
-        if self._observer is not None:
+        if self._observer is not None and turn != self._yield_turn:
+            self._yield_turn = turn
             self._deliver(Yielded(self.cell_id, self._drain()))
         elif not self._observed:
             self._parked_yield = True
+        # Otherwise nobody observed the cell when it yielded — an observer that attached during
+        # the same uninterrupted run of the cell came after it, in the cell's timeline: a no-op.
 
     def on_call(self, call_id: str, tool: int, input_json: str | None) -> None:
         if self._state is not _State.RUNNING:

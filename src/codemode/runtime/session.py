@@ -95,9 +95,10 @@ class LocalSession(CodeModeSession):
         cell_id = CellId(str(self._next_cell))
         self._next_cell += 1
         tools = list(request.enabled_tools)
+        config = self._config(tools)
         cell = Cell(self, cell_id, request.tool_call_id, tools)
+        cell.key = self.engine.run_cell(cell, request.source, config, self._heap_mb)
         self._cells[cell_id] = cell
-        cell.key = self.engine.run_cell(cell, request.source, self._config(tools), self._heap_mb)
         initial = cell.observe(self._yield_ms(request.yield_time_ms))
         return StartedCell.from_awaitable(cell_id, initial, lambda: self._abandon(cell_id))
 

@@ -8,7 +8,7 @@ oversize length is refused from the prefix alone, before any payload is buffered
 
 from __future__ import annotations
 
-from typing import Any, Final, Generic, TypeVar
+from typing import Any, Final, Generic, Protocol, TypeVar
 
 import msgspec
 
@@ -27,6 +27,8 @@ __all__ = [
     "NEED_DATA",
     "FrameDecoder",
     "MessageDecoder",
+    "PayloadDecoder",
+    "RawPayloads",
     "decode_framed",
     "encode_frame",
     "encode_payload",
@@ -34,6 +36,7 @@ __all__ = [
 ]
 
 M = TypeVar("M")
+M_co = TypeVar("M_co", covariant=True)
 
 _PREFIX: Final = 4
 _ENCODER: Final = msgspec.json.Encoder()
@@ -140,6 +143,22 @@ def _check_json(payload: bytes | bytearray) -> None:
         raise FrameError(FrameErrorKind.INVALID_JSON, _DECODE_PREFIX + str(error)) from None
 
 
+class PayloadDecoder(Protocol[M_co]):
+    """Turns one frame's payload ``data[start:end]`` into a value."""
+
+    def decode(self, data: bytes | bytearray, start: int = 0, end: int | None = None) -> M_co: ...
+
+
+class RawPayloads:
+    """A decoder that keeps payloads as bytes, for carriers that split frames but do not read them."""
+
+    __slots__ = ()
+
+    def decode(self, data: bytes | bytearray, start: int = 0, end: int | None = None) -> bytes:
+        """The payload bytes ``data[start:end]``."""
+        return bytes(memoryview(data)[start : len(data) if end is None else end])
+
+
 def encode_payload(message: Any) -> bytes:
     """Encode a message (or any JSON value) canonically, without the length prefix."""
     try:
@@ -203,7 +222,7 @@ class FrameDecoder(Generic[M]):
 
     __slots__ = ("_buffer", "_decoder", "_eof", "_failed", "_position", "consumed")
 
-    def __init__(self, decoder: MessageDecoder[M]) -> None:
+    def __init__(self, decoder: PayloadDecoder[M]) -> None:
         self._decoder = decoder
         self._buffer: bytes | bytearray = b""
         self._position = 0

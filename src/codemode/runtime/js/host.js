@@ -24,7 +24,7 @@
 //   {t:'call', cell, id, tool:int, input:str|null}
 //                                                 nested tool call; input is JSON text or null
 //   {t:'notify', cell, text}                      notify(text)
-//   {t:'yield', cell}                             yield_control()
+//   {t:'yield', cell, turn:int}                   yield_control() in the cell's event-loop turn
 //   {t:'done', cell, error:str|null, writes:str}  completed; writes = JSON [[key, json text]]
 //   {t:'exited', cell, reason:'stopped'|'oom'|'crashed', detail?}
 //                                                 the cell's isolate is gone (always sent, last)

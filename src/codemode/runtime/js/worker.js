@@ -41,6 +41,8 @@ const context = vm.createContext({}, { name: 'exec', codeGeneration: { strings: 
 
 let cell = null;
 const realTimers = new Map();
+let turn = 0; // counts returns of the cell's thread to its event loop (see yieldControl)
+let turnEnding = false;
 
 function stop() {
   flush();
@@ -87,7 +89,16 @@ const host = {
     post({ t: 'notify', cell, text }, true);
   },
   yieldControl() {
-    post({ t: 'yield', cell }, true);
+    // The turn lets the runtime see that two yields happened in one uninterrupted run of the
+    // cell: an observer that attached in between (messages are in flight) was not there yet.
+    if (!turnEnding) {
+      turnEnding = true;
+      setImmediate(() => {
+        turn += 1;
+        turnEnding = false;
+      });
+    }
+    post({ t: 'yield', cell, turn }, true);
   },
   finish(error, writes) {
     post({ t: 'done', cell, error, writes }, true);

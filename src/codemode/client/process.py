@@ -1,0 +1,260 @@
+"""Sessions on a host child process over stdio (``protocol-v1.md`` §7.1, §9.1, §9.8).
+
+:class:`ProcessOwnedCodeModeSessionProvider` spawns ``codemode host --stdio`` lazily, shares that
+one process among every session it creates, and replaces it with a fresh one when its connection
+has died (dead sessions are never revived). The child runs in its own process group, its stderr is
+logged line by line at debug level, and it is killed and reaped when its connection fails or the
+provider closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Final
+
+from codemode.client.v1 import RemoteSession, V1ClientConnection
+from codemode.errors import CodeModeError
+from codemode.protocol.constants import HANDSHAKE_TIMEOUT, SHUTDOWN_TIMEOUT
+from codemode.protocol.session import CodeModeSessionDelegate, CodeModeSessionProvider
+from codemode.protocol.types import CodeModeSessionCellExecutionLimits
+from codemode.protocol.v1.client_state import CONNECTION_CLOSED, exited_with_status
+from codemode.transports.stream import StreamTransport
+
+__all__ = ["DEFAULT_HOST_COMMAND", "HostProcess", "ProcessOwnedCodeModeSessionProvider"]
+
+logger = logging.getLogger("codemode.client.process")
+
+#: ``python -m codemode host --stdio`` with this interpreter.
+DEFAULT_HOST_COMMAND: Final = (sys.executable, "-m", "codemode", "host", "--stdio")
+#: How long a host whose stdout ended may take to report its exit status (K2 vs K1, §9.8).
+EXIT_STATUS_GRACE: Final = 1.0
+_POLL: Final = 0.01
+_STDERR_LIMIT: Final = 1 << 16
+
+
+class HostProcess:
+    """One spawned host child and the V1 connection over its stdin/stdout."""
+
+    def __init__(self, process: asyncio.subprocess.Process, program: str) -> None:
+        self.process = process
+        self.program = program
+        self.closing = False
+        assert process.stdout is not None and process.stdin is not None
+        self.connection = V1ClientConnection(
+            StreamTransport(process.stdout, process.stdin), eof_reason=self._eof_reason
+        )
+        self.connection.add_death_callback(self._connection_died)
+        self._stderr = asyncio.create_task(self._log_stderr(), name="codemode-host-stderr")
+        self._reaper: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def spawn(
+        cls,
+        command: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+    ) -> HostProcess:
+        """Start ``command`` and handshake; raise C1 (spawn) or C2-C5 (handshake)."""
+        program = command[0]
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *command,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,  # its own process group: killed as a whole
+                env=None if env is None else dict(env),
+                limit=_STDERR_LIMIT,
+            )
+        except (OSError, ValueError) as error:
+            raise CodeModeError(f"failed to spawn code-mode host {program}: {error}") from None
+        host = cls(process, program)
+        try:
+            await host.connection.handshake(timeout=handshake_timeout)
+        except BaseException:
+            await host.kill()
+            raise
+        host.connection.start()
+        return host
+
+    @property
+    def pid(self) -> int:
+        """The child's process id (also its process group id)."""
+        return self.process.pid
+
+    def is_alive(self) -> bool:
+        """True while the connection works."""
+        return self.connection.is_alive()
+
+    async def _eof_reason(self) -> str:
+        # stdout ended: a host that exits right away reports its status (K2), else K1 (§9.8).
+        status = await self.wait_exit(EXIT_STATUS_GRACE)
+        return CONNECTION_CLOSED if status is None else exited_with_status(status)
+
+    async def wait_exit(self, timeout: float) -> int | None:
+        """The exit status once the child exited, or ``None`` after ``timeout`` seconds.
+
+        Polls: ``Process.wait()`` also waits for every pipe to close, which a grandchild that
+        inherited one can delay indefinitely.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.process.returncode is None and loop.time() < deadline:
+            await asyncio.sleep(_POLL)
+        return self.process.returncode
+
+    def _connection_died(self, reason: str) -> None:
+        logger.debug("code-mode host %s: connection failed: %s", self.pid, reason)
+        if not self.closing and self._reaper is None:
+            self._reaper = asyncio.ensure_future(self.kill())
+
+    @property
+    def finished(self) -> bool:
+        """True once the child was reaped and nothing is left to clean up."""
+        reaper = self._reaper
+        return self.process.returncode is not None and (reaper is None or reaper.done())
+
+    async def kill(self) -> None:
+        """Kill the child's process group and reap it; idempotent."""
+        # The whole group, even when the host itself already exited: whatever it spawned
+        # (its JavaScript engine) must not outlive it.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        await self.wait_exit(SHUTDOWN_TIMEOUT)
+        await self.connection.aclose()
+        await self._finish_stderr()
+
+    async def aclose(self, sessions: Sequence[RemoteSession] = ()) -> None:
+        """Shut down ``sessions``, close stdin, give the child 5 s to exit, then kill it."""
+        self.closing = True
+        if self.connection.is_alive() and sessions:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(SHUTDOWN_TIMEOUT):
+                    await asyncio.gather(
+                        *(session.shutdown() for session in sessions), return_exceptions=True
+                    )
+        stdin = self.process.stdin
+        if stdin is not None and not stdin.is_closing():
+            stdin.close()
+        await self.wait_exit(SHUTDOWN_TIMEOUT)
+        await self.kill()
+        if self._reaper is not None:
+            await self._reaper
+
+    async def _finish_stderr(self) -> None:
+        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+            async with asyncio.timeout(1.0):
+                await asyncio.shield(self._stderr)
+        self._stderr.cancel()
+
+    async def _log_stderr(self) -> None:
+        stream = self.process.stderr
+        assert stream is not None
+        while True:
+            try:
+                line = await stream.readline()
+            except ValueError:
+                # A line longer than the buffer: log what is there and go on.
+                line = await stream.read(_STDERR_LIMIT)
+            except OSError:
+                return
+            if not line:
+                return
+            logger.debug(
+                "code-mode host %s: %s",
+                self.process.pid,
+                line.decode("utf-8", "replace").rstrip("\n"),
+            )
+
+
+class ProcessOwnedCodeModeSessionProvider(CodeModeSessionProvider):
+    """Creates :class:`RemoteSession` objects on one shared host child process (§9.1).
+
+    ``command`` defaults to ``[sys.executable, "-m", "codemode", "host", "--stdio"]``. The process
+    is spawned on first use (one spawn at a time) and reused while its connection lives; after
+    it died, the next ``create_session`` spawns a fresh one. Close with :meth:`aclose`.
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str] | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+    ) -> None:
+        self.command = list(DEFAULT_HOST_COMMAND if command is None else command)
+        if not self.command:
+            raise ValueError("the host command must not be empty")
+        self._env = env
+        self._handshake_timeout = handshake_timeout
+        self._host: HostProcess | None = None
+        self._hosts: list[HostProcess] = []
+        self._sessions: dict[HostProcess, list[RemoteSession]] = {}
+        self._lock = asyncio.Lock()
+        self._closed = False
+
+    @property
+    def host(self) -> HostProcess | None:
+        """The current host process, if one was spawned and is still alive."""
+        host = self._host
+        return host if host is not None and host.is_alive() else None
+
+    async def create_session(self, delegate: CodeModeSessionDelegate) -> RemoteSession:
+        """Open a session on the shared host (spawning it if needed)."""
+        return await self.create_session_with_limits(delegate, CodeModeSessionCellExecutionLimits())
+
+    async def create_session_with_limits(
+        self,
+        delegate: CodeModeSessionDelegate,
+        limits: CodeModeSessionCellExecutionLimits,
+    ) -> RemoteSession:
+        """Open a session whose cells share ``limits`` (C7 if the host did not grant them)."""
+        host = await self._current_host()
+        session = await host.connection.open_session(delegate, limits)
+        sessions = self._sessions.setdefault(host, [])
+        sessions[:] = [s for s in sessions if s.is_alive()]
+        sessions.append(session)
+        return session
+
+    async def _current_host(self) -> HostProcess:
+        async with self._lock:
+            if self._closed:
+                raise CodeModeError("code-mode session provider is closed")
+            host = self._host
+            if host is not None and host.is_alive():
+                return host
+            self._host = None
+            if host is not None:
+                self._sessions.pop(host, None)
+            host = await HostProcess.spawn(
+                self.command, env=self._env, handshake_timeout=self._handshake_timeout
+            )
+            self._host = host
+            self._hosts = [h for h in self._hosts if not h.finished]
+            self._hosts.append(host)
+            return host
+
+    async def aclose(self) -> None:
+        """Shut down every session, let each host exit (up to 5 s), then kill what is left."""
+        async with self._lock:
+            self._closed = True
+            hosts, self._hosts, self._host = self._hosts, [], None
+            sessions, self._sessions = self._sessions, {}
+        await asyncio.gather(*(host.aclose(sessions.get(host, ())) for host in hosts))
+
+    async def close(self) -> None:
+        """The spec's name for :meth:`aclose` (§9.1)."""
+        await self.aclose()
+
+    async def __aenter__(self) -> ProcessOwnedCodeModeSessionProvider:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()

@@ -1,0 +1,252 @@
+"""One object for an agent loop: tools for the model in, rendered outputs out.
+
+:class:`CodeMode` owns a session (the embedded runtime unless you bring one), publishes the
+``exec`` and ``wait`` tools in the OpenAI Responses API shape, and answers the model's calls with
+ready-to-send output items::
+
+    async with CodeMode(registry) as code_mode:
+        response = await client.responses.create(model=..., input=history, tools=code_mode.tools())
+        for call in response.output:
+            if code_mode.handles(call):
+                history.append(await code_mode.handle(call))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Final
+
+from codemode.errors import CodeModeError
+from codemode.model.exec_tool import build_exec_description, exec_tool_spec, wait_tool_spec
+from codemode.model.handler import (
+    CodeModeToolHandler,
+    CustomToolInput,
+    FunctionToolArguments,
+    ToolPayload,
+)
+from codemode.model.registry import NotifyCallback, Tool, ToolRegistry
+from codemode.model.render import RenderedOutput
+from codemode.protocol.constants import PUBLIC_TOOL_NAME, WAIT_TOOL_NAME
+from codemode.protocol.session import (
+    SESSION_SHUTTING_DOWN,
+    CodeModeSession,
+    CodeModeSessionProvider,
+)
+from codemode.protocol.types import (
+    JSON,
+    CellId,
+    CodeModeSessionCellExecutionLimits,
+    InputText,
+)
+from codemode.runtime import LocalSessionProvider
+
+__all__ = ["CodeMode"]
+
+_CUSTOM_CALL: Final = "custom_tool_call"
+_FUNCTION_CALL: Final = "function_call"
+_OUTPUT_TYPES: Final = {
+    _CUSTOM_CALL: "custom_tool_call_output",
+    _FUNCTION_CALL: "function_call_output",
+}
+
+
+def _shut_down() -> RenderedOutput:
+    """What a call after :meth:`CodeMode.aclose` gets: a shut-down session's failure text."""
+    return RenderedOutput([InputText(SESSION_SHUTTING_DOWN)], success=False)
+
+
+def _field(call: object, key: str) -> object:
+    """``call[key]`` for a mapping, ``call.key`` for an SDK object; ``None`` when absent."""
+    if isinstance(call, Mapping):
+        return call.get(key)
+    return getattr(call, key, None)
+
+
+def _text_field(call: object, key: str) -> str:
+    value = _field(call, key)
+    if not isinstance(value, str):
+        raise ValueError(f"tool call has no string `{key}`")
+    return value
+
+
+class CodeMode:
+    """Code mode for one agent thread: owns a session and serves the model's exec/wait calls.
+
+    ``tools`` is a :class:`ToolRegistry` (the session's delegate) or tools to put in a new one
+    (with ``on_notify``). Without ``session`` or ``provider``, an embedded
+    :class:`~codemode.runtime.LocalSessionProvider` session is opened on first use. A given
+    ``session`` must already serve ``tools`` through its delegate and is not shut down by
+    :meth:`aclose` (only the cells started here are terminated); a session opened from
+    ``provider`` (with ``limits``) is shut down, the provider is left open. ``code_mode_only``:
+    the model reaches the nested tools only through ``exec``, so their declarations go into the
+    exec description. ``store_load`` configures the embedded runtime and the description (match
+    it to a session you bring); ``clock`` measures the wall time shown to the model.
+    """
+
+    def __init__(
+        self,
+        tools: ToolRegistry | Iterable[Tool[..., Any]] = (),
+        *,
+        session: CodeModeSession | None = None,
+        provider: CodeModeSessionProvider | None = None,
+        limits: CodeModeSessionCellExecutionLimits | None = None,
+        on_notify: NotifyCallback | None = None,
+        code_mode_only: bool = True,
+        store_load: bool = True,
+        image_detail: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if session is not None and (provider is not None or limits is not None):
+            raise ValueError("pass either an open session or a provider and limits, not both")
+        if isinstance(tools, ToolRegistry):
+            if on_notify is not None:
+                raise ValueError("give on_notify to the ToolRegistry that serves the session")
+            self.registry = tools
+        else:
+            self.registry = ToolRegistry(tools, on_notify=on_notify)
+        self._given_session = session
+        self._provider = provider
+        self._limits = limits or CodeModeSessionCellExecutionLimits()
+        self._code_mode_only = code_mode_only
+        self._store_load = store_load
+        self._image_detail = image_detail
+        self._clock = clock
+        self._handler: CodeModeToolHandler | None = None
+        self._owned_provider: LocalSessionProvider | None = None
+        self._opening = asyncio.Lock()
+        self._closed = False
+
+    # -- the session -----------------------------------------------------------------------------
+
+    @property
+    def session(self) -> CodeModeSession | None:
+        """The session calls run on; ``None`` until it is opened (first call or :meth:`start`)."""
+        return None if self._handler is None else self._handler.session
+
+    @property
+    def live_cells(self) -> Mapping[CellId, str]:
+        """Cells started here that yielded and have not ended, with their exec call ids."""
+        return {} if self._handler is None else self._handler.live_cells
+
+    async def start(self) -> CodeModeSession:
+        """Open the session now instead of on the first call; errors opening it propagate."""
+        handler = await self._ensure_handler()
+        if handler is None:
+            raise CodeModeError(SESSION_SHUTTING_DOWN)
+        return handler.session
+
+    async def _ensure_handler(self) -> CodeModeToolHandler | None:
+        """The handler, opening the session first if needed; ``None`` once closed."""
+        # A lock, because the model may issue parallel calls before the session exists.
+        async with self._opening:
+            if self._closed:
+                return None
+            if self._handler is None:
+                session = self._given_session
+                if session is None:
+                    session = await self._open_session()
+                self._handler = CodeModeToolHandler(
+                    session, self.registry.definitions, clock=self._clock
+                )
+            return self._handler
+
+    async def _open_session(self) -> CodeModeSession:
+        provider = self._provider
+        if provider is None:
+            provider = self._owned_provider = LocalSessionProvider(store_load=self._store_load)
+        try:
+            return await provider.create_session_with_limits(self.registry, self._limits)
+        except BaseException:
+            if self._owned_provider is not None:
+                await self._owned_provider.aclose()
+                self._owned_provider = None
+            raise
+
+    async def aclose(self) -> None:
+        """Stop: shut down an opened session (and the embedded engine), or terminate own cells.
+
+        Idempotent. Afterwards every exec/wait call fails with the shutting-down text.
+        """
+        async with self._opening:
+            if self._closed:
+                return
+            self._closed = True
+        handler = self._handler
+        if handler is not None and self._given_session is not None:
+            # Not our session: leave it running, but do not leave our cells running in it.
+            for cell_id in handler.live_cells:
+                with contextlib.suppress(CodeModeError):
+                    await handler.session.terminate(cell_id)
+        elif handler is not None:
+            await handler.session.shutdown()
+        if self._owned_provider is not None:
+            await self._owned_provider.aclose()
+
+    async def __aenter__(self) -> CodeMode:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # -- the model-facing tools ------------------------------------------------------------------
+
+    def exec_description(self) -> str:
+        """The ``exec`` tool description for the registry's current tools."""
+        return build_exec_description(
+            self.registry.definitions(),
+            code_mode_only=self._code_mode_only,
+            namespace_descriptions=self.registry.namespace_descriptions(),
+            store_load=self._store_load,
+            image_detail=self._image_detail,
+        )
+
+    def tools(self) -> list[dict[str, JSON]]:
+        """The ``exec`` (custom, grammar) and ``wait`` (function) tools, Responses API shape."""
+        return [exec_tool_spec(self.exec_description()), wait_tool_spec()]
+
+    @staticmethod
+    def handles(call: object) -> bool:
+        """True for a model tool call (mapping or SDK object) named ``exec`` or ``wait``."""
+        return _field(call, "name") in (PUBLIC_TOOL_NAME, WAIT_TOOL_NAME)
+
+    async def handle(self, call: object) -> dict[str, JSON]:
+        """Run one ``exec``/``wait`` call and return its output item for the next model turn.
+
+        ``call`` is a Responses API ``custom_tool_call`` or ``function_call`` item, as a mapping
+        or an SDK object. The reply is the matching ``custom_tool_call_output`` or
+        ``function_call_output`` whose ``output`` is the rendered content items.
+        """
+        name = _field(call, "name")
+        if name not in (PUBLIC_TOOL_NAME, WAIT_TOOL_NAME):
+            raise ValueError(f"not an exec or wait call: {name!r}")
+        call_type = _field(call, "type")
+        call_id = _text_field(call, "call_id")
+        payload: ToolPayload
+        if call_type == _CUSTOM_CALL:
+            payload = CustomToolInput(_text_field(call, "input"))
+        elif call_type == _FUNCTION_CALL:
+            payload = FunctionToolArguments(_text_field(call, "arguments"))
+        else:
+            raise ValueError(f"unsupported tool call type {call_type!r}")
+        if name == PUBLIC_TOOL_NAME:
+            rendered = await self.handle_exec(call_id, payload)
+        else:
+            rendered = await self.handle_wait(payload)
+        return {"type": _OUTPUT_TYPES[call_type], "call_id": call_id, "output": rendered.to_json()}
+
+    async def handle_exec(self, call_id: str, payload: ToolPayload | str) -> RenderedOutput:
+        """Run an ``exec`` call (raw source or payload) and render its initial response."""
+        handler = await self._ensure_handler()
+        if handler is None:
+            return _shut_down()
+        return await handler.handle_exec(call_id, payload)
+
+    async def handle_wait(self, payload: ToolPayload | str) -> RenderedOutput:
+        """Run a ``wait`` call (JSON argument text or payload) and render its outcome."""
+        handler = await self._ensure_handler()
+        if handler is None:
+            return _shut_down()
+        return await handler.handle_wait(payload)
