@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from codemode.errors import CodeModeError, FrameError, ProtocolError
 from codemode.protocol.constants import (
@@ -67,6 +68,7 @@ from codemode.transports.base import FrameTransport, TransportError
 __all__ = ["HostOptions", "serve_v1_connection"]
 
 logger = logging.getLogger("codemode.host")
+T = TypeVar("T")
 
 _CLIENT_MESSAGES: Final = MessageDecoder[ClientToHost](ClientToHost)
 CALLBACK_LIMIT: Final = (
@@ -242,7 +244,16 @@ class _ServedConnection:
     def _spawn(self, request_id: int, coroutine: Any) -> None:
         task = asyncio.ensure_future(coroutine)
         self._tasks[request_id] = task
-        task.add_done_callback(lambda _: self._tasks.pop(request_id, None))
+        task.add_done_callback(lambda done: self._operation_done(request_id, done))
+
+    def _operation_done(self, request_id: int, task: asyncio.Task[None]) -> None:
+        self._tasks.pop(request_id, None)
+        if task.cancelled() or (error := task.exception()) is None:
+            return
+        # A bug must not leave the client waiting forever: answer with what went wrong.
+        logger.error("code-mode host: request %s failed", request_id, exc_info=error)
+        message = f"code-mode host internal error: {type(error).__name__}: {error}"
+        self._send_all(self._state.operation_failed(request_id, message))
 
     # -- operations --------------------------------------------------------------------------------
 
@@ -270,27 +281,41 @@ class _ServedConnection:
             raise CodeModeError(f"unknown code-mode session {session_id}")
         return await asyncio.shield(opening)
 
-    async def _execute(self, action: StartExecute) -> None:
-        request_id = action.request_id
+    async def _run_cancellable(
+        self,
+        request_id: int,
+        session_id: str,
+        operation: Callable[[CodeModeSession], Awaitable[T]],
+    ) -> T | None:
+        """Run an operation the client may cancel; ``None`` once its error answer was sent."""
         try:
-            session = await self._session(action.session_id)
+            session = await self._session(session_id)
         except CodeModeError as error:
             self._send_all(self._state.operation_failed(request_id, error.message))
-            return
-        admission = asyncio.ensure_future(session.execute(action.request))
-        self._cancellable[request_id] = admission
+            return None
+        inner = asyncio.ensure_future(operation(session))
+        self._cancellable[request_id] = inner
         try:
-            started = await admission
+            return await inner
         except asyncio.CancelledError:
-            if admission.cancelled():
-                self._send_all(self._state.operation_failed(request_id, CANCELLED))
-                return
-            raise
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the connection ended: this task itself was cancelled
+            message = CANCELLED
         except CodeModeError as error:
-            self._send_all(self._state.operation_failed(request_id, error.message))
-            return
+            message = error.message
         finally:
             self._cancellable.pop(request_id, None)
+        self._send_all(self._state.operation_failed(request_id, message))
+        return None
+
+    async def _execute(self, action: StartExecute) -> None:
+        request_id = action.request_id
+        started = await self._run_cancellable(
+            request_id, action.session_id, lambda session: session.execute(action.request)
+        )
+        if started is None:
+            return
         sends = self._state.execution_started(request_id, started.cell_id)
         if sends is None:  # cancelled while being admitted: abandon the cell
             started.cancel()
@@ -305,27 +330,11 @@ class _ServedConnection:
         self._send_all(self._state.initial_response(request_id, response))
 
     async def _wait(self, action: StartWait) -> None:
-        request_id = action.request_id
-        try:
-            session = await self._session(action.session_id)
-        except CodeModeError as error:
-            self._send_all(self._state.operation_failed(request_id, error.message))
-            return
-        observation = asyncio.ensure_future(session.wait(action.request))
-        self._cancellable[request_id] = observation
-        try:
-            outcome = await observation
-        except asyncio.CancelledError:
-            if observation.cancelled():
-                self._send_all(self._state.operation_failed(request_id, CANCELLED))
-                return
-            raise
-        except CodeModeError as error:
-            self._send_all(self._state.operation_failed(request_id, error.message))
-            return
-        finally:
-            self._cancellable.pop(request_id, None)
-        self._send_all(self._state.wait_completed(request_id, outcome))
+        outcome = await self._run_cancellable(
+            action.request_id, action.session_id, lambda session: session.wait(action.request)
+        )
+        if outcome is not None:
+            self._send_all(self._state.wait_completed(action.request_id, outcome))
 
     async def _terminate(self, action: StartTerminate) -> None:
         try:
