@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Final
 
@@ -41,6 +42,18 @@ logger = logging.getLogger("codemode.runtime")
 #: How long terminate waits for the engine to confirm that the isolate stopped.
 STOP_TIMEOUT: Final = 2.0
 _DECODER: Final = msgspec.json.Decoder()
+#: Python 3.12+: a task factory that runs the coroutine's first step at once, so a tool that
+#: answers without awaiting completes inside ``on_call`` (no Task scheduling round).
+_EAGER_TASK_FACTORY: Final[Any] = getattr(asyncio, "eager_task_factory", None)
+
+
+def _start_task(
+    loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, None]
+) -> asyncio.Task[None]:
+    if _EAGER_TASK_FACTORY is not None:
+        task: asyncio.Task[None] = _EAGER_TASK_FACTORY(loop, coro)
+        return task
+    return loop.create_task(coro)
 
 
 class _State(Enum):
@@ -192,26 +205,35 @@ class Cell:
             definition.kind,
             None if input_json is None else _DECODER.decode(input_json),
         )
-        task = asyncio.ensure_future(self._session.delegate.invoke_tool(invocation, token))
-        self._calls[call_id] = (task, token)
-        task.add_done_callback(lambda done: self._call_done(call_id, done, token))
+        task = _start_task(self._loop, self._serve_call(call_id, invocation, token))
+        if not task.done():  # an eagerly started tool may already have answered
+            self._calls[call_id] = (task, token)
 
-    def _call_done(self, call_id: str, task: asyncio.Future[Any], token: CancellationToken) -> None:
-        self._calls.pop(call_id, None)
+    async def _serve_call(
+        self, call_id: str, invocation: CodeModeNestedToolCall, token: CancellationToken
+    ) -> None:
+        # Settles the call from inside its own task: no done-callback hop through the loop.
         value: str | msgspec.Raw
-        if task.cancelled():
-            ok, value = False, "code-mode delegate task was cancelled"
-        elif (error := task.exception()) is not None:
-            ok = False
-            if isinstance(error, CodeModeError):
-                value = error.message
-            else:
-                value = f"code-mode delegate task failed: {error}"
+        try:
+            result = await self._session.delegate.invoke_tool(invocation, token)
+        except asyncio.CancelledError:
+            self._settle_call(call_id, token, False, "code-mode delegate task was cancelled")
+            raise
+        except CodeModeError as error:
+            ok, value = False, error.message
+        except Exception as error:
+            ok, value = False, f"code-mode delegate task failed: {error}"
         else:
             try:
-                ok, value = True, msgspec.Raw(encode_json(task.result()))
+                ok, value = True, msgspec.Raw(encode_json(result))
             except (TypeError, ValueError, OverflowError) as error:
                 ok, value = False, f"code-mode delegate returned a value that is not JSON: {error}"
+        self._settle_call(call_id, token, ok, value)
+
+    def _settle_call(
+        self, call_id: str, token: CancellationToken, ok: bool, value: str | msgspec.Raw
+    ) -> None:
+        self._calls.pop(call_id, None)
         if token.is_cancelled() or self._state is not _State.RUNNING:
             return  # nobody wants it any more
         self._session.engine.send_result(self.key, call_id, ok, value)

@@ -94,15 +94,22 @@ class _HostProtocol(asyncio.SubprocessProtocol):
         buffer = self._buffer
         buffer += data
         offset = 0
-        while len(buffer) - offset >= 4:
-            size = int.from_bytes(buffer[offset : offset + 4], "little")
-            end = offset + 4 + size
-            if len(buffer) < end:
-                break
-            self._engine._dispatch(_DECODER.decode(memoryview(buffer)[offset + 4 : end]))
-            offset = end
+        engine = self._engine
+        engine._dispatching = True
+        try:
+            while len(buffer) - offset >= 4:
+                size = int.from_bytes(buffer[offset : offset + 4], "little")
+                end = offset + 4 + size
+                if len(buffer) < end:
+                    break
+                engine._dispatch(_DECODER.decode(memoryview(buffer)[offset + 4 : end]))
+                offset = end
+        finally:
+            engine._dispatching = False
         if offset:
             del buffer[:offset]
+        if engine._flush_scheduled:
+            engine._flush()  # what dispatching produced (e.g. tool results) leaves as one frame now
 
     def process_exited(self) -> None:
         self._engine._host_exited()
@@ -123,6 +130,7 @@ class NodeEngine:
         self._outbox: list[Any] = []
         self._results: dict[int, list[Any]] = {}
         self._flush_scheduled = False
+        self._dispatching = False
         self._pools: set[int | None] = set()
         self._closed = False
 
@@ -255,7 +263,8 @@ class NodeEngine:
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            if not self._dispatching:  # else pipe_data_received flushes after the frame
+                asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_scheduled = False
