@@ -62,6 +62,7 @@ from codemode.protocol.v1.messages import (
     ToolResult,
     WireError,
     WireOk,
+    message_type,
 )
 from codemode.transports.base import FrameTransport, TransportError
 
@@ -167,6 +168,10 @@ class _ServedConnection:
             self._transport.send(frame, lane_of(message) if self._dual else Lane.CONTROL)
         except TransportError as error:
             self._end(f"failed to write code-mode client message: {error}")
+            # The reader may be waiting for a client that says nothing more: closing wakes it.
+            closing = asyncio.ensure_future(self._close_transport())
+            self._background.add(closing)
+            closing.add_done_callback(self._background.discard)
 
     def _oversize(self, message: HostToClient, error: FrameError) -> HostToClient | None:
         detail = f"code-mode host response exceeds the IPC frame limit: {error}"
@@ -207,7 +212,7 @@ class _ServedConnection:
                 message = _CLIENT_MESSAGES.decode(payload)
                 if self._dual and lane_of(message) is not _lane:
                     raise ProtocolError(
-                        f"code-mode message {_tag(message)} is not allowed on the {_lane.value} socket"
+                        f"code-mode message {message_type(message)} is not allowed on the {_lane.value} socket"
                     )
                 actions = self._state.receive(message)
             except FrameError as error:
@@ -424,21 +429,18 @@ class _ServedConnection:
         except TimeoutError:
             logger.error("code-mode host: cleanup after the connection ended timed out")
             return False
+        await self._close_transport()
+        return True
+
+    async def _close_transport(self) -> None:
         with contextlib.suppress(TransportError, OSError):
             await self._transport.close()
-        return True
 
 
 def _fail_revoked(future: asyncio.Future[Any]) -> None:
     if not future.done():
         future.set_exception(CodeModeError("code-mode callback was revoked"))
         future.exception()
-
-
-def _tag(message: object) -> str:
-    config = getattr(type(message), "__struct_config__", None)
-    tag = getattr(config, "tag", None)
-    return str(tag) if tag is not None else type(message).__name__
 
 
 async def serve_v1_connection(
@@ -457,6 +459,7 @@ async def serve_v1_connection(
     try:
         first = await transport.receive()
         if first is None:
+            await transport.close()
             return True  # EOF before any byte: close silently
         hello = _CLIENT_MESSAGES.decode(first[0])
     except (FrameError, TransportError) as error:

@@ -85,6 +85,7 @@ from codemode.protocol.v1.messages import (
     WireOk,
     WireSessionCellExecutionLimits,
     WireWaitRequest,
+    message_type,
 )
 from codemode.protocol.v1.recent import RecentIds
 
@@ -427,10 +428,6 @@ class _Callback:
 
 def _send(message: ClientToHost) -> Send:
     return Send(message, encode_frame(message), lane_of(message))
-
-
-def _tag(message: object) -> str:
-    return str(type(message).__struct_config__.tag)  # type: ignore[attr-defined]
 
 
 # -- the machine ---------------------------------------------------------------------------------
@@ -1016,8 +1013,3 @@ class ClientConnection:
             return []
         entry.cancel_sent = True
         return [_send(OperationCancel(entry.id))]
-
-
-def message_type(message: ClientToHost | HostToClient) -> str:
-    """The ``type`` tag of a V1 envelope (used in K6 texts)."""
-    return _tag(message)

@@ -24,6 +24,7 @@ from codemode.protocol.v1.messages import (
     InvalidHello,
     MissingRequiredCapability,
     NoCompatibleVersion,
+    message_type,
 )
 
 __all__ = [
@@ -108,7 +109,9 @@ def check_handshake_reply(hello: ConnectionHello, reply: HostToClient) -> Negoti
             "code-mode host rejected the handshake: " + reject_reason_text(reply.reason)
         )
     if not isinstance(reply, ConnectionReady):
-        raise CodeModeError(_INVALID_REPLY + f"expected connection/ready, got {_tag(reply)}")
+        raise CodeModeError(
+            _INVALID_REPLY + f"expected connection/ready, got {message_type(reply)}"
+        )
     if reply.selected_version not in hello.supported_versions:
         raise CodeModeError(
             _INVALID_REPLY + f"host selected unsupported protocol version {reply.selected_version}"
@@ -133,9 +136,3 @@ def check_handshake_reply(hello: ConnectionHello, reply: HostToClient) -> Negoti
             _INVALID_REPLY + f"bulkConnectionToken without `{DUAL_WEBSOCKET_CAPABILITY}`"
         )
     return Negotiated(frozenset(reply.capabilities), token)
-
-
-def _tag(message: object) -> str:
-    config = getattr(type(message), "__struct_config__", None)
-    tag = getattr(config, "tag", None)
-    return str(tag) if tag is not None else type(message).__name__

@@ -275,14 +275,15 @@ class HostConnection:
         session_id = request.session_id
         if isinstance(request, SessionOpen):
             return self._open(request_id, request)
-        session = self._sessions.get(session_id)
-        if session is None or session.shutdown_request is not None:
-            return self._refuse(request_id, f"unknown code-mode session {session_id}")
-        if isinstance(request, SessionExecute):
+        if isinstance(request, SessionExecute):  # conversion comes before the session (§8.2)
             try:
                 domain = execute_request_to_domain(request.request)
             except WireConversionError as error:
                 return self._refuse(request_id, f"invalid code-mode execute request: {error}")
+        session = self._sessions.get(session_id)
+        if session is None or session.shutdown_request is not None:
+            return self._refuse(request_id, f"unknown code-mode session {session_id}")
+        if isinstance(request, SessionExecute):
             if self._active_cells + self._admitting >= self._max_active_cells:
                 return self._refuse(request_id, TOO_MANY_CELLS)
             self._admitting += 1
@@ -307,9 +308,10 @@ class HostConnection:
             self.negotiated is None or not self.negotiated.resource_limits
         ):
             return self._refuse(request_id, LIMITS_NOT_NEGOTIATED)
-        if session_id in self._sessions:
+        existing = self._sessions.get(session_id)
+        if existing is not None and existing.shutdown_request is None:
             return self._refuse(request_id, f"code-mode session ID `{session_id}` is already open")
-        if session_id in self._opened:
+        if existing is not None or session_id in self._opened:
             return self._refuse(request_id, f"code-mode session ID `{session_id}` was reused")
         self._opened.add(session_id)
         self._sessions[session_id] = _Session()
@@ -324,10 +326,11 @@ class HostConnection:
     def _track_answer(
         self, request_id: int, kind: _Kind, session: _Session, session_id: str, cell_id: str
     ) -> None:
-        self._requests[request_id] = _Request(kind, session_id, cell_id)
         cell = session.cells.get(cell_id)
         if cell is not None:
             cell.open_answers += 1
+        # Only an answer counted on a known cell holds (and later releases) its cell/closed.
+        self._requests[request_id] = _Request(kind, session_id, None if cell is None else cell_id)
 
     def _refuse(self, request_id: int, message: str) -> list[HostAction]:
         self._finished.add(request_id)
@@ -438,8 +441,10 @@ class HostConnection:
         if request is None:
             return []
         session = self._sessions.get(request.session_id)
-        if session is None:
-            return []
+        if session is None:  # its open failed after the shutdown was accepted
+            return self.operation_failed(
+                request_id, f"unknown code-mode session {request.session_id}"
+            )
         session.shut_down = True
         return self._maybe_session_closed(request.session_id, session)
 
@@ -479,12 +484,12 @@ class HostConnection:
                     self._callbacks.pop(message.id, None)
                 del session.cells[key]
             return self._maybe_session_closed(session_id, session)
-        cell.close_requested = True
         sends = [
             revoked
             for delegate_id in list(cell.callbacks)
             for revoked in self.revoke_callback(delegate_id)
         ]
+        cell.close_requested = True  # after the revocations, which must not close the cell
         return sends + self._maybe_cell_closed(session_id, session, key, cell)
 
     def _maybe_cell_closed(

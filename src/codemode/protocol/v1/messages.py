@@ -543,6 +543,13 @@ HostToClient: TypeAlias = (
 )
 
 
+def message_type(message: object) -> str:
+    """The tag of a tagged wire message (``"operation/cancel"``), else its class name."""
+    config = getattr(type(message), "__struct_config__", None)
+    tag = getattr(config, "tag", None)
+    return str(tag) if tag is not None else type(message).__name__
+
+
 #: Every wire type by the name the specification and its vectors use.
 WIRE_TYPES: Final[dict[str, Any]] = {
     "ClientToHost": ClientToHost,
