@@ -455,3 +455,16 @@ async def test_r92_stack_names_the_module(harness: Harness) -> None:
     session = await harness.session()
     result = await run(session, 'throw new Error("boom")')
     assert result.error_text is not None and "exec_main.mjs" in result.error_text
+
+
+class _NonFiniteDelegate(RecordingDelegate):
+    async def invoke_tool(self, invocation: Any, cancellation: Any) -> Any:
+        return {"value": float("nan")}
+
+
+async def test_non_finite_tool_result_is_not_json(harness: Harness) -> None:
+    session = await harness.session(_NonFiniteDelegate())
+    result = await run(session, "try { await tools.echo({}) } catch (e) { text(e) }")
+    assert result.content_items == items(
+        "code-mode delegate returned a value that is not JSON: nan is not a JSON number"
+    )

@@ -78,3 +78,18 @@ json_values = st.recursive(
 @given(json_values)
 def test_round_trip(value: Any) -> None:
     assert loads(dumps(value)) == value
+
+
+@pytest.mark.parametrize(
+    ("value", "found"),
+    [
+        ({"a": [1, 2.5, None, "x"]}, None),
+        ({"a": [1, float("inf")]}, float("inf")),
+        ((1, {"b": float("-inf")}), float("-inf")),
+    ],
+)
+def test_non_finite_number(value: Any, found: float | None) -> None:
+    from codemode.protocol.strict_json import non_finite_number
+
+    assert non_finite_number(value) == found
+    assert non_finite_number([float("nan")]) != non_finite_number([float("nan")])  # NaN is found

@@ -27,6 +27,7 @@ __all__ = [
     "dumps",
     "loads",
     "loads_large",
+    "non_finite_number",
 ]
 
 #: From this size on, texts are parsed by jiter, which checks duplicate keys while parsing.
@@ -99,6 +100,25 @@ def loads_large(data: bytes) -> Any:
         raise JSONError(str(error)) from None
     _reject_infinity(value)
     return value
+
+
+def non_finite_number(value: Any) -> float | None:
+    """A NaN or infinite float inside ``value``, if any (msgspec would write it as ``null``).
+
+    Callers that already encoded ``value`` only need this when the encoding contains ``null``.
+    """
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        kind = type(item)
+        if kind is float:
+            if not math.isfinite(item):
+                return item  # type: ignore[no-any-return]
+        elif kind is dict:
+            stack.extend(item.values())
+        elif kind is list or kind is tuple:
+            stack.extend(item)
+    return None
 
 
 def loads(data: Buffer | str) -> Any:

@@ -19,6 +19,7 @@ import msgspec
 from codemode.errors import CodeModeError
 from codemode.protocol.constants import CALLBACK_GRACE
 from codemode.protocol.session import CancellationToken
+from codemode.protocol.strict_json import non_finite_number
 from codemode.protocol.types import (
     CellId,
     CodeModeNestedToolCall,
@@ -225,7 +226,10 @@ class Cell:
             ok, value = False, f"code-mode delegate task failed: {error}"
         else:
             try:
-                ok, value = True, msgspec.Raw(encode_json(result))
+                encoded = encode_json(result)
+                if b"null" in encoded and (number := non_finite_number(result)) is not None:
+                    raise ValueError(f"{number} is not a JSON number")
+                ok, value = True, msgspec.Raw(encoded)
             except (TypeError, ValueError, OverflowError) as error:
                 ok, value = False, f"code-mode delegate returned a value that is not JSON: {error}"
         self._settle_call(call_id, token, ok, value)

@@ -31,6 +31,7 @@ from codemode.errors import (
 )
 from codemode.protocol.constants import I64_MAX, MAX_PENDING_DELEGATE_CALLS
 from codemode.protocol.session import SESSION_SHUTTING_DOWN
+from codemode.protocol.strict_json import non_finite_number
 from codemode.protocol.types import (
     JSON,
     CellId,
@@ -913,7 +914,11 @@ class ClientConnection:
             return _send(DelegateResponseMessage(delegate_id, WireOk(NotificationDelivered())))
         value = result.value if isinstance(result, ToolReturned) else None
         try:
-            return _send(DelegateResponseMessage(delegate_id, WireOk(ToolResult(value))))
+            send = _send(DelegateResponseMessage(delegate_id, WireOk(ToolResult(value))))
+            if b"null" in send.frame and (number := non_finite_number(value)) is not None:
+                text = not_json(f"{number} is not a JSON number")
+                return _send(DelegateResponseMessage(delegate_id, WireError(text)))
+            return send
         except FrameError as error:
             if error.kind is FrameErrorKind.OVERSIZE:
                 text = response_too_large(error.message)
