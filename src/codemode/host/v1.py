@@ -298,6 +298,9 @@ class _ServedConnection:
         except CodeModeError as error:
             self._send_all(self._state.operation_failed(request_id, error.message))
             return None
+        if self._state.cancelled(request_id):  # cancelled while its session was opening
+            self._send_all(self._state.operation_failed(request_id, CANCELLED))
+            return None
         inner = asyncio.ensure_future(operation(session))
         self._cancellable[request_id] = inner
         try:

@@ -101,6 +101,7 @@ class Cell:
         self._calls: dict[str, tuple[asyncio.Future[Any], CancellationToken]] = {}
         self._notifications: dict[asyncio.Future[None], CancellationToken] = {}
         self._stopped = asyncio.Event()
+        self._closed_event = asyncio.Event()
         self._finishing: asyncio.Task[None] | None = None
 
     @property
@@ -332,10 +333,20 @@ class Cell:
         self._close()
         return LiveCell(response)
 
+    async def wait_closed(self) -> None:
+        """Return once the cell is closed."""
+        await self._closed_event.wait()
+
+    @property
+    def terminating(self) -> bool:
+        """True while a termination is cleaning up."""
+        return self._state is _State.TERMINATING
+
     def _close(self) -> None:
         if self._state is _State.CLOSED:
             return
         self._state = _State.CLOSED
+        self._closed_event.set()
         self._session.forget(self)
         try:
             self._session.delegate.cell_closed(self.cell_id)

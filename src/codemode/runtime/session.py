@@ -126,11 +126,19 @@ class LocalSession(CodeModeSession):
     async def _shutdown(self) -> None:
         cells = list(self._cells.values())
         results = await asyncio.gather(
-            *(cell.terminate() for cell in cells), return_exceptions=True
+            *(self._retire(cell) for cell in cells), return_exceptions=True
         )
         for cell, outcome in zip(cells, results, strict=True):
             if isinstance(outcome, BaseException) and not cell.closed:
                 logger.warning("shutdown: cell %s: %s", cell.cell_id, outcome)
+
+    @staticmethod
+    async def _retire(cell: Cell) -> None:
+        # A termination already under way (an abandoned cell) is waited for, not repeated.
+        if cell.terminating:
+            await cell.wait_closed()
+        elif not cell.closed:
+            await cell.terminate()
 
     # -- helpers for cells ---------------------------------------------------------------------------
 
