@@ -132,8 +132,8 @@ def test_run_script_error_exits_1() -> None:
 
 
 def test_run_waits_on_a_yielding_cell_until_it_completes() -> None:
-    source = b'text("a"); await new Promise(r => setTimeout(r, 300)); text("b")'
-    result = codemode("run", "-", "--yield-ms", "50", stdin=source)
+    source = b'text("a"); await new Promise(r => setTimeout(r, 1500)); text("b")'
+    result = codemode("run", "-", "--yield-ms", "300", stdin=source)
     assert result.returncode == 0, result.stderr
     out = result.stdout.decode()
     assert (
@@ -142,7 +142,7 @@ def test_run_waits_on_a_yielding_cell_until_it_completes() -> None:
         < out.index("Script completed")
     )
     assert out.rstrip().endswith("b")
-    merged = codemode("run", "-", "--yield-ms", "50", "--json", stdin=source)
+    merged = codemode("run", "-", "--yield-ms", "300", "--json", stdin=source)
     items = json.loads(merged.stdout)["Result"]["content_items"]
     assert [item["text"] for item in items] == ["a", "b"]
 
