@@ -41,14 +41,22 @@ _STDERR_LIMIT: Final = 1 << 16
 class HostProcess:
     """One spawned host child and the V1 connection over its stdin/stdout."""
 
-    def __init__(self, process: asyncio.subprocess.Process, program: str) -> None:
+    def __init__(
+        self,
+        process: asyncio.subprocess.Process,
+        program: str,
+        transport: StreamTransport | None = None,
+        stdin: asyncio.StreamWriter | None = None,
+    ) -> None:
         self.process = process
         self.program = program
         self.closing = False
-        assert process.stdout is not None and process.stdin is not None
-        self.connection = V1ClientConnection(
-            StreamTransport(process.stdout, process.stdin), eof_reason=self._eof_reason
-        )
+        if transport is None:
+            assert process.stdout is not None and process.stdin is not None
+            transport = StreamTransport(process.stdout, process.stdin)
+            stdin = process.stdin
+        self._stdin = stdin
+        self.connection = V1ClientConnection(transport, eof_reason=self._eof_reason)
         self.connection.add_death_callback(self._connection_died)
         self._stderr = asyncio.create_task(self._log_stderr(), name="codemode-host-stderr")
         self._reaper: asyncio.Task[None] | None = None
@@ -63,19 +71,38 @@ class HostProcess:
     ) -> HostProcess:
         """Start ``command`` and handshake; raise C1 (spawn) or C2-C5 (handshake)."""
         program = command[0]
+        loop = asyncio.get_running_loop()
+        # Our own pipe ends, connected straight to the loop: data reaches the reader in the
+        # iteration it arrives (a subprocess transport defers every chunk by one call_soon).
+        child_in, parent_out = os.pipe()
+        parent_in, child_out = os.pipe()
         try:
             process = await asyncio.create_subprocess_exec(
                 *command,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
+                stdin=child_in,
+                stdout=child_out,
                 stderr=asyncio.subprocess.PIPE,
                 start_new_session=True,  # its own process group: killed as a whole
                 env=None if env is None else dict(env),
                 limit=_STDERR_LIMIT,
             )
         except (OSError, ValueError) as error:
+            os.close(parent_in)
+            os.close(parent_out)
             raise CodeModeError(f"failed to spawn code-mode host {program}: {error}") from None
-        host = cls(process, program)
+        finally:
+            os.close(child_in)
+            os.close(child_out)
+        reader = asyncio.StreamReader(limit=1 << 20)
+        read_pipe, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(parent_in, "rb", 0)
+        )
+        read_pipe.max_size = 1 << 16  # type: ignore[attr-defined]
+        write_pipe, protocol = await loop.connect_write_pipe(
+            asyncio.streams.FlowControlMixin, os.fdopen(parent_out, "wb", 0)
+        )
+        writer = asyncio.StreamWriter(write_pipe, protocol, reader, loop)
+        host = cls(process, program, StreamTransport(reader, writer), writer)
         try:
             await host.connection.handshake(timeout=handshake_timeout)
         except BaseException:
@@ -140,7 +167,7 @@ class HostProcess:
                     await asyncio.gather(
                         *(session.shutdown() for session in sessions), return_exceptions=True
                     )
-        stdin = self.process.stdin
+        stdin = self._stdin
         if stdin is not None and not stdin.is_closing():
             stdin.close()
         await self.wait_exit(SHUTDOWN_TIMEOUT)

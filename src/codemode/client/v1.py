@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+import types
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 from typing import Any, Final, TypeVar
 
 from codemode.errors import (
@@ -540,12 +542,54 @@ class V1ClientConnection:
             coroutine = delegate.notify(callback.call_id, callback.cell_id, callback.text, token)
         else:
             coroutine = delegate.invoke_tool(callback.invocation, token)
-        task = asyncio.ensure_future(_guard(coroutine))
-        self._tasks.add(task)
         is_notification = isinstance(callback, NotificationCallback)
-        task.add_done_callback(
-            lambda done: self._callback_done(event.delegate_id, done, is_notification)
-        )
+        delegate_id = event.delegate_id
+        if isinstance(coroutine, Coroutine):
+            # Run the first step now: a delegate that answers without suspending is settled in
+            # this loop iteration (no Task, no wake-up, no done-callback hop).
+            context = contextvars.copy_context()
+            try:
+                yielded = context.run(coroutine.send, None)
+            except StopIteration as stop:
+                self._tokens.pop(delegate_id, None)
+                self._settle(delegate_id, _ok(stop.value, is_notification))
+                return
+            except BaseException as error:
+                self._tokens.pop(delegate_id, None)
+                self._settle(delegate_id, _failed(error))
+                if not isinstance(error, Exception):
+                    raise
+                return
+            coroutine = _resume(coroutine, yielded)
+            task = self._loop.create_task(
+                self._serve(delegate_id, coroutine, is_notification), context=context
+            )
+        else:
+            task = asyncio.ensure_future(self._serve(delegate_id, coroutine, is_notification))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(
+        self, delegate_id: int, awaitable: Awaitable[Any], is_notification: bool
+    ) -> None:
+        # Settles from inside the task: no done-callback hop through the loop.
+        try:
+            value = await awaitable
+        except asyncio.CancelledError:
+            self._tokens.pop(delegate_id, None)
+            self._settle(delegate_id, CallbackFailed(CALLBACK_TASK_CANCELLED))
+            raise
+        except BaseException as error:
+            self._tokens.pop(delegate_id, None)
+            self._settle(delegate_id, _failed(error))
+            if not isinstance(error, Exception):
+                raise
+            return
+        self._tokens.pop(delegate_id, None)
+        self._settle(delegate_id, _ok(value, is_notification))
+
+    def _settle(self, delegate_id: int, result: CallbackResult) -> None:
+        self._call(lambda m: m.finish_callback(delegate_id, result))
 
     def _callback_done(
         self, delegate_id: int, task: asyncio.Future[Any], is_notification: bool
@@ -580,6 +624,37 @@ class V1ClientConnection:
 
 async def _guard(awaitable: Awaitable[T]) -> T:
     return await awaitable
+
+
+def _ok(value: Any, is_notification: bool) -> CallbackResult:
+    return NotificationAccepted() if is_notification else ToolReturned(value)
+
+
+def _failed(error: BaseException) -> CallbackResult:
+    if isinstance(error, CodeModeError):
+        return CallbackFailed(error.message)
+    return CallbackFailed(delegate_failed(_detail(error)))
+
+
+@types.coroutine
+def _resume(coroutine: Coroutine[Any, Any, T], yielded: Any) -> Generator[Any, Any, T]:
+    """``yield from coroutine`` for a coroutine whose first step already yielded ``yielded``."""
+    while True:
+        try:
+            sent = yield yielded
+        except GeneratorExit:
+            coroutine.close()
+            raise
+        except BaseException as error:
+            try:
+                yielded = coroutine.throw(error)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+        else:
+            try:
+                yielded = coroutine.send(sent)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
 
 
 def _resolve(future: asyncio.Future[Any] | None, value: object) -> None:

@@ -138,9 +138,10 @@ async def stdio_transport() -> StreamTransport:
     reader = asyncio.StreamReader(limit=1 << 20)
     stdin, stdout = sys.stdin.fileno(), sys.stdout.fileno()
     if _watchable(stdin):
-        await loop.connect_read_pipe(
+        pipe, _ = await loop.connect_read_pipe(
             lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(stdin, "rb", 0, closefd=False)
         )
+        pipe.max_size = _READ_CHUNK  # type: ignore[attr-defined]
     else:
         task = asyncio.ensure_future(_pump_file(stdin, reader))
         _PUMPS.add(task)
