@@ -34,7 +34,8 @@ def mean(values: list[float]) -> float:
 
 def bar_chart(args: dict[str, object]) -> str:
     """A tiny PNG bar chart of {"values": [numbers]} as a data: URL."""
-    values = [float(v) for v in args.get("values", [])]  # type: ignore[union-attr]
+    raw = args.get("values", [])
+    values = [float(v) for v in raw] if isinstance(raw, list) else []
     width, height = 12 * max(1, len(values)), 40
     top = max(values, default=1.0) or 1.0
     rows = []
