@@ -25,7 +25,6 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 import tracemalloc
 from collections.abc import Awaitable, Callable
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from benchmarks.common import loop_source, only_text, percentile, progress, quiesce
 from codemode.protocol import (
     JSON,
     CancellationToken,
@@ -41,9 +41,6 @@ from codemode.protocol import (
     CodeModeToolKind,
     ContentItem,
     ExecuteRequest,
-    InputText,
-    Result,
-    RuntimeResponse,
     ToolDefinition,
     ToolName,
     Yielded,
@@ -77,37 +74,7 @@ GOAL_PAR_US: Final = 20.0
 ECHO: Final = ToolDefinition("echo", ToolName.plain("echo"), "Echo", CodeModeToolKind.FUNCTION)
 
 
-def loop_source(kind: str, function: str, calls: int, rounds: int) -> str:
-    """JS for ``rounds`` x ``calls`` awaits of ``function`` (``seq`` one by one, else ``Promise.all``).
-
-    The cell first waits ``SETTLE_MS``, then prints the elapsed milliseconds of the loops alone.
-    """
-    if kind == "seq":
-        body = f"for (let i = 0; i < {calls}; i++) {{ const v = await {function}({{ i }}); s += v.i; }}"
-    else:
-        body = (
-            f"const ps = []; for (let i = 0; i < {calls}; i++) ps.push({function}({{ i }}));"
-            " for (const v of await Promise.all(ps)) s += v.i;"
-        )
-    return (
-        "const local = async (x) => x;\n"
-        f"await new Promise((resolve) => setTimeout(resolve, {SETTLE_MS}));\n"
-        "let s = 0;\n"
-        "const t0 = Date.now();\n"
-        f"for (let r = 0; r < {rounds}; r++) {{ {body} }}\n"
-        "text(Date.now() - t0);\n"
-        f"if (s !== {rounds * calls * (calls - 1) // 2}) throw new Error('wrong sum ' + s);\n"
-    )
-
-
 # -- measuring aids -----------------------------------------------------------------------------
-
-
-def percentile(samples: list[float], q: float) -> float:
-    """Nearest-rank percentile, ``q`` in [0, 100]."""
-    ordered = sorted(samples)
-    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
-    return ordered[rank]
 
 
 def proc_status_kib(pid: int, field: str) -> int | None:
@@ -120,38 +87,6 @@ def proc_status_kib(pid: int, field: str) -> int | None:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     return None
-
-
-def cpu_ticks(pid: int) -> int | None:
-    """User + system CPU clock ticks used so far by every thread of ``pid`` (None off Linux)."""
-    try:
-        data = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    fields = data[data.rindex(b")") + 2 :].split()
-    return int(fields[11]) + int(fields[12])
-
-
-async def quiesce(pid: int, idle: float = 0.03, limit: float = 3.0) -> None:
-    """Wait until process ``pid`` used no CPU for ``idle`` seconds (e.g. the pool is refilled)."""
-    last = cpu_ticks(pid)
-    if last is None:
-        await asyncio.sleep(0.1)
-        return
-    now = time.perf_counter()
-    quiet_since, deadline = now, now + limit
-    while now < deadline:
-        await asyncio.sleep(0.005)
-        ticks, now = cpu_ticks(pid), time.perf_counter()
-        if ticks != last:
-            last, quiet_since = ticks, now
-        elif now - quiet_since >= idle:
-            return
-
-
-def progress(message: str) -> None:
-    """A progress line on stderr (stdout carries only the table)."""
-    print(f"  .. {message}", file=sys.stderr, flush=True)
 
 
 # -- the engine without the session layer -----------------------------------------------------
@@ -246,16 +181,6 @@ class EchoDelegate(CodeModeSessionDelegate):
     ) -> JSON:
         """Return the input unchanged."""
         return invocation.input
-
-
-def only_text(response: RuntimeResponse) -> str:
-    """The single text item of a successfully completed cell."""
-    assert isinstance(response, Result), response
-    assert response.error_text is None, response.error_text
-    items = response.content_items
-    assert len(items) == 1, items
-    assert isinstance(items[0], InputText), items
-    return items[0].text
 
 
 async def execute(session: LocalSession, source: str, tools: list[ToolDefinition]) -> str:
@@ -370,16 +295,16 @@ async def measure_latency(
     through_engine: list[float] = []
     pipe: list[float] = []
     for _ in range(5):  # warm both paths up
-        await quiesce(pid)
+        await quiesce([pid])
         await session_latency(session)
-        await quiesce(pid)
+        await quiesce([pid])
         await engine_latency(engine)
     for _ in range(EXEC_SAMPLES):
-        await quiesce(pid)
+        await quiesce([pid])
         through_session.append(await session_latency(session))
-        await quiesce(pid)
+        await quiesce([pid])
         through_engine.append(await engine_latency(engine))
-        await quiesce(pid)
+        await quiesce([pid])
         for _ in range(PIPE_SAMPLES_PER_EXEC):
             pipe.append(await pipe_round_trip(engine))
     rows = [
@@ -409,14 +334,18 @@ async def measure_nested(session: LocalSession, pid: int) -> tuple[list[Row], fl
         ("par", PAR_CALLS, PAR_ROUNDS, LOCAL_PAR_ROUNDS, f"{PAR_CALLS} per Promise.all"),
     ):
         samples: list[float] = []
-        source = loop_source(kind, "tools.echo", calls, rounds)
+        source = loop_source(kind, "tools.echo", calls, rounds, SETTLE_MS)
         for _ in range(CALL_CELLS):
-            await quiesce(pid)
+            await quiesce([pid])
             samples.append(float(await execute(session, source, [ECHO])) * 1e3 / (calls * rounds))
         local: list[float] = []
         for _ in range(LOCAL_CELLS):
-            await quiesce(pid)
-            ms = float(await execute(session, loop_source(kind, "local", calls, local_rounds), []))
+            await quiesce([pid])
+            ms = float(
+                await execute(
+                    session, loop_source(kind, "local", calls, local_rounds, SETTLE_MS), []
+                )
+            )
             local.append(ms * 1e3 / (calls * local_rounds))
         median, base = statistics.median(samples), statistics.median(local)
         medians.append(median)
@@ -440,12 +369,12 @@ async def measure_throughput(
     progress(f"throughput: {RATE_CELLS} cells per run, 4 runs")
     rows: list[Row] = []
     for lanes in (1, CONCURRENCY):
-        await quiesce(pid)
+        await quiesce([pid])
         through_session = await rate(
             [lambda s=s: session_latency(s) for s in sessions[:lanes]],  # type: ignore[misc]
             RATE_CELLS,
         )
-        await quiesce(pid)
+        await quiesce([pid])
         through_engine = await rate([lambda: engine_done(engine)] * lanes, RATE_CELLS)
         label = "back to back" if lanes == 1 else f"{lanes} in flight ({lanes} sessions)"
         rows.append(
@@ -465,10 +394,10 @@ async def measure_memory(
 ) -> list[Row]:
     """RSS rows: per idle session and per running (blocked) cell (``existing`` sessions open)."""
     progress(f"RSS: {IDLE_SESSIONS} idle sessions, then {BLOCKED_CELLS} blocked cells")
-    await quiesce(pid)
+    await quiesce([pid])
     base = rss(pid)
     sessions = [await provider.create_session(delegate) for _ in range(IDLE_SESSIONS)]
-    await quiesce(pid)
+    await quiesce([pid])
     idle = rss(pid)
     started = [
         await sessions[i].execute(ExecuteRequest("bench", BLOCKED, yield_time_ms=50))
@@ -476,11 +405,11 @@ async def measure_memory(
     ]
     for response in await asyncio.gather(*(cell.initial_response() for cell in started)):
         assert isinstance(response, Yielded), response
-    await quiesce(pid)
+    await quiesce([pid])
     running = rss(pid)
     for i, cell in enumerate(started):
         await sessions[i].terminate(cell.cell_id)
-    await quiesce(pid)
+    await quiesce([pid])
     after = rss(pid)
     # Python objects of one session, exactly (RSS hides small allocations in free pools).
     tracemalloc.start()

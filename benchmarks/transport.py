@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
+from benchmarks.common import loop_source, only_text, percentile, progress, quiesce
 from codemode.client import ProcessOwnedCodeModeSessionProvider, RemoteSession
 from codemode.protocol import (
     JSON,
@@ -46,9 +47,6 @@ from codemode.protocol import (
     CodeModeSessionDelegate,
     CodeModeToolKind,
     ExecuteRequest,
-    InputText,
-    Result,
-    RuntimeResponse,
     ToolDefinition,
     ToolName,
 )
@@ -109,44 +107,7 @@ asyncio.run(main())
 """
 
 
-def loop_source(kind: str, calls: int, rounds: int) -> str:
-    """JS for ``rounds`` x ``calls`` awaits of ``tools.echo`` (``seq`` one by one, else
-    ``Promise.all``), printing the elapsed milliseconds of the loops."""
-    if kind == "seq":
-        body = f"for (let i = 0; i < {calls}; i++) {{ const v = await tools.echo({{ i }}); s += v.i; }}"
-    else:
-        body = (
-            f"const ps = []; for (let i = 0; i < {calls}; i++) ps.push(tools.echo({{ i }}));"
-            " for (const v of await Promise.all(ps)) s += v.i;"
-        )
-    return (
-        f"await new Promise((resolve) => setTimeout(resolve, {SETTLE_MS}));\n"
-        "let s = 0;\n"
-        "const t0 = Date.now();\n"
-        f"for (let r = 0; r < {rounds}; r++) {{ {body} }}\n"
-        "text(Date.now() - t0);\n"
-        f"if (s !== {rounds * calls * (calls - 1) // 2}) throw new Error('wrong sum ' + s);\n"
-    )
-
-
 # -- measuring aids -----------------------------------------------------------------------------
-
-
-def percentile(samples: list[float], q: float) -> float:
-    """Nearest-rank percentile, ``q`` in [0, 100]."""
-    ordered = sorted(samples)
-    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
-    return ordered[rank]
-
-
-def cpu_ticks(pid: int) -> int | None:
-    """User + system CPU clock ticks used so far by ``pid`` (None off Linux or once it is gone)."""
-    try:
-        data = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    fields = data[data.rindex(b")") + 2 :].split()
-    return int(fields[11]) + int(fields[12])
 
 
 def child_pids(pid: int) -> list[int]:
@@ -160,32 +121,10 @@ def child_pids(pid: int) -> list[int]:
     return children
 
 
-async def quiesce(pids: list[int], idle: float = 0.03, limit: float = 3.0) -> None:
-    """Wait until ``pids`` used no CPU for ``idle`` seconds (e.g. a worker pool was refilled)."""
-    last = [cpu_ticks(pid) for pid in pids]
-    if not pids or None in last:
-        await asyncio.sleep(0.05)
-        return
-    now = time.perf_counter()
-    quiet_since, deadline = now, now + limit
-    while now < deadline:
-        await asyncio.sleep(0.005)
-        ticks, now = [cpu_ticks(pid) for pid in pids], time.perf_counter()
-        if ticks != last:
-            last, quiet_since = ticks, now
-        elif now - quiet_since >= idle:
-            return
-
-
 async def bounded(awaitable: Awaitable[T]) -> T:
     """``awaitable`` under :data:`STEP_TIMEOUT`: a hang ends the run instead of stalling it."""
     async with asyncio.timeout(STEP_TIMEOUT):
         return await awaitable
-
-
-def progress(message: str) -> None:
-    """A progress line on stderr (stdout carries only the table)."""
-    print(f"  .. {message}", file=sys.stderr, flush=True)
 
 
 # -- the sessions -------------------------------------------------------------------------------
@@ -207,16 +146,6 @@ class EchoDelegate(CodeModeSessionDelegate):
         return invocation.input
 
 
-def only_text(response: RuntimeResponse) -> str:
-    """The single text item of a successfully completed cell."""
-    assert isinstance(response, Result), response
-    assert response.error_text is None, response.error_text
-    items = response.content_items
-    assert len(items) == 1, items
-    assert isinstance(items[0], InputText), items
-    return items[0].text
-
-
 @dataclass
 class Served:
     """One session under test, its delegate, and the processes that serve it."""
@@ -234,14 +163,16 @@ class Served:
     async def round_trips(self) -> list[float]:
         """Seconds per nested call round trip: intervals between successive ``invoke_tool``."""
         self.delegate.arrivals.clear()
-        await self.run(loop_source("seq", SEQ_CALLS, 1))
+        await self.run(loop_source("seq", "tools.echo", SEQ_CALLS, 1, SETTLE_MS))
         arrivals = self.delegate.arrivals
         assert len(arrivals) == SEQ_CALLS, len(arrivals)
         return [after - before for before, after in itertools.pairwise(arrivals)]
 
     async def parallel(self) -> float:
         """Seconds per call, amortised, of ``PAR_ROUNDS`` x ``Promise.all`` of ``PAR_CALLS``."""
-        milliseconds = float(await self.run(loop_source("par", PAR_CALLS, PAR_ROUNDS)))
+        milliseconds = float(
+            await self.run(loop_source("par", "tools.echo", PAR_CALLS, PAR_ROUNDS, SETTLE_MS))
+        )
         return milliseconds / 1e3 / (PAR_CALLS * PAR_ROUNDS)
 
     async def execute_latency(self) -> float:
@@ -565,7 +496,9 @@ async def open_served(
     delegate = EchoDelegate()
     session = await bounded(provider.create_session(delegate))
     served = Served(name, session, delegate, [])
-    await served.run(loop_source("seq", 2, 1))  # the engine is up and has run a cell
+    await served.run(
+        loop_source("seq", "tools.echo", 2, 1, SETTLE_MS)
+    )  # the engine is up and has run a cell
     if isinstance(provider, LocalSessionProvider):
         transport = provider.engine._transport
         served.pids = [] if transport is None else [transport.get_pid()]

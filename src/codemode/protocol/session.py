@@ -25,6 +25,7 @@ from codemode.protocol.types import (
 )
 
 __all__ = [
+    "DELEGATE_TASK_CANCELLED",
     "EXEC_RUNTIME_ENDED_UNEXPECTEDLY",
     "NESTED_TOOLS_UNAVAILABLE",
     "PROVIDER_DOES_NOT_SUPPORT_LIMITS",
@@ -35,6 +36,8 @@ __all__ = [
     "CodeModeSessionProvider",
     "NoopCodeModeSessionDelegate",
     "StartedCell",
+    "delegate_result_not_json",
+    "delegate_task_failed",
 ]
 
 EXEC_RUNTIME_ENDED_UNEXPECTEDLY: Final = "exec runtime ended unexpectedly"
@@ -43,6 +46,17 @@ NESTED_TOOLS_UNAVAILABLE: Final = "code mode nested tools are unavailable"
 PROVIDER_DOES_NOT_SUPPORT_LIMITS: Final = (
     "code-mode session provider does not support resource limits"
 )
+DELEGATE_TASK_CANCELLED: Final = "code-mode delegate task was cancelled"
+
+
+def delegate_task_failed(detail: str) -> str:
+    """D4: the delegate raised something other than :class:`CodeModeError`."""
+    return f"code-mode delegate task failed: {detail}"
+
+
+def delegate_result_not_json(detail: str) -> str:
+    """D5: the delegate returned a value that cannot be written as JSON."""
+    return f"code-mode delegate returned a value that is not JSON: {detail}"
 
 
 class CancellationToken:

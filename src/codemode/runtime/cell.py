@@ -18,7 +18,12 @@ import msgspec
 
 from codemode.errors import CodeModeError
 from codemode.protocol.constants import CALLBACK_GRACE
-from codemode.protocol.session import CancellationToken
+from codemode.protocol.session import (
+    DELEGATE_TASK_CANCELLED,
+    CancellationToken,
+    delegate_result_not_json,
+    delegate_task_failed,
+)
 from codemode.protocol.strict_json import non_finite_number
 from codemode.protocol.types import (
     CellId,
@@ -219,12 +224,12 @@ class Cell:
         try:
             result = await self._session.delegate.invoke_tool(invocation, token)
         except asyncio.CancelledError:
-            self._settle_call(call_id, token, False, "code-mode delegate task was cancelled")
+            self._settle_call(call_id, token, False, DELEGATE_TASK_CANCELLED)
             raise
         except CodeModeError as error:
             ok, value = False, error.message
         except Exception as error:
-            ok, value = False, f"code-mode delegate task failed: {error}"
+            ok, value = False, delegate_task_failed(str(error))
         else:
             try:
                 encoded = encode_json(result)
@@ -232,7 +237,7 @@ class Cell:
                     raise ValueError(f"{number} is not a JSON number")
                 ok, value = True, msgspec.Raw(encoded)
             except (TypeError, ValueError, OverflowError) as error:
-                ok, value = False, f"code-mode delegate returned a value that is not JSON: {error}"
+                ok, value = False, delegate_result_not_json(str(error))
         self._settle_call(call_id, token, ok, value)
 
     def _settle_call(

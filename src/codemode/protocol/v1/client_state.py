@@ -30,7 +30,12 @@ from codemode.errors import (
     ProtocolError,
 )
 from codemode.protocol.constants import I64_MAX, MAX_PENDING_DELEGATE_CALLS
-from codemode.protocol.session import SESSION_SHUTTING_DOWN
+from codemode.protocol.session import (
+    DELEGATE_TASK_CANCELLED,
+    SESSION_SHUTTING_DOWN,
+    delegate_result_not_json,
+    delegate_task_failed,
+)
 from codemode.protocol.strict_json import non_finite_number
 from codemode.protocol.types import (
     JSON,
@@ -141,7 +146,7 @@ LIMITS_NOT_NEGOTIATED: Final = (
 #: C10
 SESSION_CLOSED_DURING_EXECUTE: Final = "code-mode session closed during execute"
 #: What a delegate task that was itself cancelled answers (the embedded runtime's wording).
-CALLBACK_TASK_CANCELLED: Final = "code-mode delegate task was cancelled"
+CALLBACK_TASK_CANCELLED: Final = DELEGATE_TASK_CANCELLED
 
 _K8: Final = "code-mode host returned unknown request ID {}"
 _K9: Final = "code-mode host returned an invalid open-session response"
@@ -183,14 +188,9 @@ def wrong_lane(message_type: str, lane: Lane) -> str:
     return f"code-mode host sent {message_type} on the {Lane(lane).value} socket"
 
 
-def delegate_failed(detail: str) -> str:
-    """D4: the delegate raised something other than :class:`CodeModeError`."""
-    return f"code-mode delegate task failed: {detail}"
-
-
-def not_json(detail: str) -> str:
-    """D5: the delegate returned a value that cannot be written as JSON."""
-    return f"code-mode delegate returned a value that is not JSON: {detail}"
+# The D4/D5 texts are carrier-neutral: the embedded runtime answers with the same ones.
+delegate_failed = delegate_task_failed
+not_json = delegate_result_not_json
 
 
 def response_too_large(detail: str) -> str:
