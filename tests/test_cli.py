@@ -148,13 +148,14 @@ def test_run_waits_on_a_yielding_cell_until_it_completes() -> None:
 
 
 def test_run_pragma_is_honoured() -> None:
-    source = (
-        b'// @exec: {"yield_time_ms": 20}\nawait new Promise(r => setTimeout(r, 200)); text("done")'
-    )
-    result = codemode("run", "-", stdin=source)
-    assert result.returncode == 0
-    assert b"Script running with cell ID 1" not in result.stdout  # nothing to show while yielding
-    assert result.stdout.rstrip().endswith(b"done")
+    cell = b'text("early"); await new Promise(r => setTimeout(r, 1500)); text("done")'
+    pragma = codemode("run", "-", stdin=b'// @exec: {"yield_time_ms": 300}\n' + cell)
+    assert pragma.returncode == 0, pragma.stderr
+    out = pragma.stdout.decode()
+    assert out.index("Script running with cell ID 1") < out.index("early") < out.index("done")
+    plain = codemode("run", "-", stdin=cell)  # default yield time: one observation
+    assert b"Script running" not in plain.stdout
+    assert plain.stdout.rstrip().endswith(b"done")
 
 
 def test_run_plain_and_decorated_tools(tmp_path: Path) -> None:
