@@ -191,3 +191,13 @@ def test_run_usage_errors_exit_2(tmp_path: Path) -> None:
     assert b"exec pragma only supports" in pragma.stderr
     assert codemode("run", "-", "--yield-ms", "-5", stdin=b"text(1)").returncode == 2
     assert codemode("run", "-", "--tools", str(tmp_path / "none.py"), stdin=b"1").returncode == 2
+
+
+def test_doctor_lists_the_confinement_layers() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "codemode", "doctor"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "isolated-vm 7.0.1:" in done.stdout
+    for layer in ("node-permission", "landlock-fs", "landlock-net", "seccomp"):
+        assert f"  {layer}: " in done.stdout

@@ -54,7 +54,11 @@ from codemode.protocol.v1.messages import (
     WireExecuteRequest,
     WireSessionCellExecutionLimits,
 )
-from codemode.runtime import LocalSessionProvider
+from codemode.runtime import LocalSessionProvider, confinement, find_node
+from codemode.runtime.confinement import LAYERS
+from codemode.runtime.engine import DEFAULT_MEMORY_CAP_BYTES
+from codemode.runtime.isolated_vm import VERSION as ISOLATED_VM_VERSION
+from codemode.runtime.isolated_vm import ensure_isolated_vm
 from codemode.transports import stdio_transport
 
 __all__ = ["main"]
@@ -190,7 +194,7 @@ async def _run(args: argparse.Namespace) -> int:
     progress = sys.stderr.isatty() and not args.json
     started_at = time.monotonic()
     collected: list[ContentItem] = []
-    async with LocalSessionProvider() as provider:
+    async with _provider(args) as provider:
         session = await provider.create_session(registry)
         cell = await session.execute(
             ExecuteRequest(
@@ -235,6 +239,35 @@ async def _run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _provider(args: argparse.Namespace, *, store_load: bool = True) -> LocalSessionProvider:
+    return LocalSessionProvider(
+        store_load=store_load,
+        shared_engine=args.shared_engine,
+        memory_cap_bytes=args.memory_cap,
+        require_confinement=args.require_confinement,
+    )
+
+
+def _doctor_command(args: argparse.Namespace) -> int:
+    """Print what the engine needs and which confinement layers apply here."""
+    report = confinement.probe()
+    node = find_node()
+    print(f"node: {node}")
+    try:
+        addon = ensure_isolated_vm(node)
+    except CodeModeError as error:
+        print(f"isolated-vm {ISOLATED_VM_VERSION}: MISSING ({error})")
+        return 1
+    print(f"isolated-vm {ISOLATED_VM_VERSION}: {addon}")
+    print(report.describe())
+    for layer in LAYERS:
+        print(f"  {layer}: {'active' if layer in report.active() else 'MISSING'}")
+    if args.require_confinement and report.missing():
+        print("codemode: required confinement layers are missing", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _run_command(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(_run(args))
@@ -250,9 +283,10 @@ async def _host_stdio(args: argparse.Namespace) -> int:
         max_in_flight_requests=args.max_in_flight_requests,
         max_active_cells=args.max_active_cells,
     )
-    provider = LocalSessionProvider(store_load=not args.no_store_load)
-    # Start the engine while the client says hello.
-    warming = asyncio.ensure_future(provider.engine.start())
+    provider = _provider(args, store_load=not args.no_store_load)
+    logging.getLogger("codemode.host").info("%s", confinement.probe().describe())
+    # Start an engine while the client says hello.
+    warming = asyncio.ensure_future(provider.warm())
     try:
         transport = await stdio_transport()
         clean = await serve_v1_connection(transport, provider, options)
@@ -312,6 +346,7 @@ def _parser() -> argparse.ArgumentParser:
         "--max-output-tokens", type=_non_negative, metavar="N", help="output budget per observation"
     )
     run.add_argument("--json", action="store_true", help="print the final response as wire JSON")
+    _engine_arguments(run)
     run.set_defaults(handler=_run_command)
 
     host = commands.add_parser(
@@ -335,7 +370,20 @@ def _parser() -> argparse.ArgumentParser:
         "--no-store-load", action="store_true", help="cells get no store/load globals"
     )
     host.add_argument("--verbose", action="store_true", help="debug logging on stderr")
+    _engine_arguments(host)
     host.set_defaults(handler=_host_command)
+
+    doctor = commands.add_parser(
+        "doctor",
+        help="check the engine set-up and which confinement layers apply here",
+        description="Find Node.js, fetch the pinned isolated-vm addon if it is not cached yet, "
+        "and list the engine confinement layers this machine applies. Exit 1 if the engine "
+        "cannot start, or (with --require-confinement) if a layer is missing.",
+    )
+    doctor.add_argument(
+        "--require-confinement", action="store_true", help="fail if any layer is missing"
+    )
+    doctor.set_defaults(handler=_doctor_command)
 
     wire = commands.add_parser("wire", help="validate Protocol V1 messages and frame captures")
     wire_commands = wire.add_subparsers(dest="wire_command", required=True, metavar="WIRE_COMMAND")
@@ -370,6 +418,26 @@ def _parser() -> argparse.ArgumentParser:
     )
     frames.set_defaults(handler=_wire_frames)
     return parser
+
+
+def _engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--memory-cap",
+        type=_positive,
+        default=DEFAULT_MEMORY_CAP_BYTES,
+        metavar="BYTES",
+        help="resident-memory cap of each session's engine process (past it, its cells end)",
+    )
+    parser.add_argument(
+        "--require-confinement",
+        action="store_true",
+        help="refuse to run cells where an OS confinement layer is unavailable",
+    )
+    parser.add_argument(
+        "--shared-engine",
+        action="store_true",
+        help="run all sessions in one engine process (one trust domain)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -43,7 +43,8 @@ class EmbeddedHarness:
     """Sessions of the in-process runtime."""
 
     name = "embedded"
-    max_pending_callbacks: int | None = None
+    # The embedded runtime bounds unresolved callbacks per session the same way.
+    max_pending_callbacks: int | None = MAX_PENDING_DELEGATE_CALLS
 
     def __init__(self) -> None:
         from codemode.runtime import LocalSessionProvider

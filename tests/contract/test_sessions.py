@@ -351,8 +351,8 @@ async def test_heap_bomb_leaves_a_concurrent_cell_in_another_session_unharmed(
 
 @pytest.mark.timeout(120)
 async def test_ten_thousand_parallel_nested_calls(harness: Harness) -> None:
-    # A remote host caps unresolved callbacks per connection (§8.6): up to the cap they all
-    # complete; the embedded runtime has no cap.
+    # A remote host caps unresolved callbacks per connection (§8.6), the embedded runtime per
+    # session: up to the cap they all complete.
     count = min(10_000, harness.max_pending_callbacks or 10_000)
     delegate = RecordingDelegate()
     session = await harness.session(delegate)

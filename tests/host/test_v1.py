@@ -210,8 +210,8 @@ async def serving(
 
 
 def running_cells(provider: LocalSessionProvider) -> int:
-    """Cells the engine still runs (its private table: no public view exists)."""
-    return len(provider.engine._cells)
+    """Cells the provider's engines still run."""
+    return provider.live_cells
 
 
 async def cells_stopped(provider: LocalSessionProvider, deadline: float) -> None:

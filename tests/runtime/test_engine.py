@@ -17,7 +17,7 @@ from codemode.protocol import (
     InputText,
     Result,
 )
-from codemode.runtime import InvalidLimitsError, LocalSessionProvider
+from codemode.runtime import InvalidLimitsError, LocalSession, LocalSessionProvider
 
 
 @pytest.fixture
@@ -26,18 +26,19 @@ async def provider() -> AsyncIterator[LocalSessionProvider]:
         yield instance
 
 
-async def run(provider: LocalSessionProvider, source: str) -> Result:
-    session = await provider.create_session(CodeModeSessionDelegate())
+async def run(
+    provider: LocalSessionProvider, source: str, session: LocalSession | None = None
+) -> Result:
+    session = session or await provider.create_session(CodeModeSessionDelegate())
     started = await session.execute(ExecuteRequest(tool_call_id="c", source=source))
     response = await started.initial_response()
     assert isinstance(response, Result)
     return response
 
 
-def engine_pid(provider: LocalSessionProvider) -> int:
-    transport = provider.engine._transport
-    assert transport is not None
-    return transport.get_pid()
+def engine_pid(session: LocalSession) -> int:
+    assert session.engine is not None and session.engine.pid is not None
+    return session.engine.pid
 
 
 async def test_engine_crash_ends_running_cells_and_the_next_cell_gets_a_new_engine(
@@ -50,12 +51,12 @@ async def test_engine_crash_ends_running_cells_and_the_next_cell_gets_a_new_engi
         )
     )
     await asyncio.sleep(0.2)
-    os.kill(engine_pid(provider), signal.SIGKILL)
+    os.kill(engine_pid(session), signal.SIGKILL)
     response = await asyncio.wait_for(started.initial_response(), 5)
     assert response == Result(
         started.cell_id, [InputText("before")], "exec runtime ended unexpectedly"
     )
-    again = await run(provider, 'text("alive")')
+    again = await run(provider, 'text("alive")', session)
     assert again.content_items == [InputText("alive")]
 
 
@@ -106,9 +107,86 @@ async def test_many_cells_in_many_sessions_run_concurrently(provider: LocalSessi
 
 async def test_closed_provider_leaves_no_engine_process() -> None:
     provider = LocalSessionProvider()
-    await run(provider, "text(1)")
-    pid = engine_pid(provider)
+    session = await provider.create_session(CodeModeSessionDelegate())
+    await run(provider, "text(1)", session)
+    pid = engine_pid(session)
     await provider.aclose()
     await asyncio.sleep(0.1)
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def resident_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.slow
+async def test_array_buffers_count_against_the_heap_limit(provider: LocalSessionProvider) -> None:
+    session = await provider.create_session_with_limits(
+        CodeModeSessionDelegate(), CodeModeSessionCellExecutionLimits(max_heap_size_bytes=16 << 20)
+    )
+    await run(provider, "text(1)", session)
+    pid = engine_pid(session)
+    base = peak = resident_bytes(pid)
+    started = await session.execute(
+        ExecuteRequest(
+            tool_call_id="c",
+            source="const kept = []; for (let i = 0; i < 64; i++) kept.push(new ArrayBuffer(64 << 20));",
+        )
+    )
+    waiting = asyncio.ensure_future(started.initial_response())
+    while not waiting.done():
+        peak = max(peak, resident_bytes(pid))
+        await asyncio.sleep(0.005)
+    result = waiting.result()
+    assert isinstance(result, Result)
+    assert result.error_text is not None
+    assert result.error_text.startswith("RangeError: Array buffer allocation failed")
+    assert peak - base < 1 << 30
+    assert (await run(provider, 'text("alive")', session)).content_items == [InputText("alive")]
+
+
+async def test_an_engine_over_its_memory_cap_ends_its_cells() -> None:
+    cap = 200 << 20
+    async with LocalSessionProvider(memory_cap_bytes=cap) as capped:
+        session = await capped.create_session(CodeModeSessionDelegate())
+        result = await run(
+            capped,
+            "const kept = []; for (;;) kept.push(Array.from({length: 1000}, (_, i) => ({i})));",
+            session,
+        )
+        assert result.error_text == f"exec cell exceeded the engine memory limit of {cap} bytes"
+        again = await run(capped, 'text("fresh")', session)
+        assert again.content_items == [InputText("fresh")]
+
+
+async def test_sessions_get_engine_processes_of_their_own(provider: LocalSessionProvider) -> None:
+    first = await provider.create_session(CodeModeSessionDelegate())
+    second = await provider.create_session(CodeModeSessionDelegate())
+    await run(provider, "text(1)", first)
+    await run(provider, "text(1)", second)
+    assert engine_pid(first) != engine_pid(second)
+
+
+async def test_an_idle_session_gives_its_engine_back_and_keeps_its_store() -> None:
+    async with LocalSessionProvider(idle_engine_timeout=0.05) as quick:
+        session = await quick.create_session(CodeModeSessionDelegate())
+        await run(quick, 'store("k", 41)', session)
+        pid = engine_pid(session)
+        for _ in range(200):
+            if session.engine is None:
+                break
+            await asyncio.sleep(0.01)
+        assert session.engine is None
+        assert (await run(quick, 'text(load("k") + 1)', session)).content_items == [InputText("42")]
+        assert engine_pid(session) != pid
+
+
+async def test_a_shared_engine_serves_every_session() -> None:
+    async with LocalSessionProvider(shared_engine=True) as shared:
+        first = await shared.create_session(CodeModeSessionDelegate())
+        second = await shared.create_session(CodeModeSessionDelegate())
+        await run(shared, "text(1)", first)
+        await run(shared, "text(1)", second)
+        assert engine_pid(first) == engine_pid(second)

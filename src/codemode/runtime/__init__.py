@@ -1,11 +1,13 @@
-"""The embedded runtime: cells run in V8 isolates of a Node.js worker-thread engine.
+"""The embedded runtime: every cell runs in a bare V8 isolate of a confined engine process.
 
 :class:`LocalSessionProvider` creates :class:`LocalSession` objects (the embedded
-``CodeModeSession``); all sessions of a provider share one engine process.
+``CodeModeSession``); each session runs in an engine process of its own, taken from an
+:class:`EnginePool` (``docs/security.md``).
 """
 
 from codemode.runtime.engine import NodeEngine, find_node
 from codemode.runtime.session import (
+    EnginePool,
     InvalidLimitsError,
     LocalSession,
     LocalSessionProvider,
@@ -13,6 +15,7 @@ from codemode.runtime.session import (
 )
 
 __all__ = [
+    "EnginePool",
     "InvalidLimitsError",
     "LocalSession",
     "LocalSessionProvider",

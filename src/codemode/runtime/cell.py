@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Final
 import msgspec
 
 from codemode.errors import CodeModeError
-from codemode.protocol.constants import CALLBACK_GRACE
+from codemode.protocol.constants import CALLBACK_GRACE, MAX_PENDING_DELEGATE_CALLS
 from codemode.protocol.session import (
     DELEGATE_TASK_CANCELLED,
     CancellationToken,
@@ -29,6 +29,8 @@ from codemode.protocol.types import (
     CellId,
     CodeModeNestedToolCall,
     ContentItem,
+    InputImage,
+    InputText,
     LiveCell,
     Result,
     RuntimeResponse,
@@ -36,7 +38,7 @@ from codemode.protocol.types import (
     ToolDefinition,
     Yielded,
 )
-from codemode.runtime.engine import encode_json
+from codemode.runtime.engine import NodeEngine, encode_json
 
 if TYPE_CHECKING:
     from codemode.runtime.session import LocalSession
@@ -48,6 +50,12 @@ logger = logging.getLogger("codemode.runtime")
 #: How long terminate waits for the engine to confirm that the isolate stopped.
 STOP_TIMEOUT: Final = 2.0
 _DECODER: Final = msgspec.json.Decoder()
+#: The most output (characters) a cell may have buffered for its next observer; the prelude
+#: enforces the same bound inside the isolate, this one holds even if the engine lies.
+MAX_BUFFERED_OUTPUT_CHARS: Final = 64 * 1024 * 1024
+PENDING_LIMIT_TEXT: Final = (
+    f"code-mode host exceeded the limit of {MAX_PENDING_DELEGATE_CALLS} pending delegate calls"
+)
 #: Python 3.12+: a task factory that runs the coroutine's first step at once, so a tool that
 #: answers without awaiting completes inside ``on_call`` (no Task scheduling round).
 _EAGER_TASK_FACTORY: Final[Any] = getattr(asyncio, "eager_task_factory", None)
@@ -85,6 +93,7 @@ class Cell:
     def __init__(
         self,
         session: LocalSession,
+        engine: NodeEngine,
         cell_id: CellId,
         call_id: str,
         tools: list[ToolDefinition],
@@ -92,6 +101,8 @@ class Cell:
         self.cell_id = cell_id
         self.key = 0  # the engine's key, set once the engine runs the cell
         self._session = session
+        self._engine = engine
+        self._buffered = 0
         self._loop = asyncio.get_running_loop()
         self._call_id = call_id
         self._tools = tools
@@ -154,6 +165,7 @@ class Cell:
 
     def _drain(self) -> list[ContentItem]:
         items, self._items = self._items, []
+        self._buffered = 0
         return items
 
     def _deliver(self, response: RuntimeResponse) -> None:
@@ -186,8 +198,20 @@ class Cell:
             self._arm(self._observer)
 
     def on_item(self, item: ContentItem) -> None:
-        if self._state is _State.RUNNING:
-            self._items.append(item)
+        if self._state is not _State.RUNNING:
+            return
+        self._items.append(item)
+        if isinstance(item, InputText):
+            self._buffered += len(item.text)
+        else:
+            self._buffered += len(
+                item.image_url if isinstance(item, InputImage) else item.audio_url
+            )
+        if self._buffered > MAX_BUFFERED_OUTPUT_CHARS:
+            self._engine.terminate(self.key)
+            self._end(
+                f"exec cell output exceeds the limit of {MAX_BUFFERED_OUTPUT_CHARS} characters"
+            )
 
     def on_yield(self, turn: int) -> None:
         if self._state is not _State.RUNNING:
@@ -203,18 +227,27 @@ class Cell:
     def on_call(self, call_id: str, tool: int, input_json: str | None) -> None:
         if self._state is not _State.RUNNING:
             return
+        if not 0 <= tool < len(self._tools):
+            self._engine.send_result(self.key, call_id, False, "unknown tool")
+            return
+        if self._session.pending_calls >= MAX_PENDING_DELEGATE_CALLS:
+            self._engine.send_result(self.key, call_id, False, PENDING_LIMIT_TEXT)
+            return
+        try:
+            arguments = None if input_json is None else _DECODER.decode(input_json)
+        except msgspec.DecodeError:
+            self._engine.send_result(self.key, call_id, False, "tool input is not JSON")
+            return
         definition = self._tools[tool]
         token = CancellationToken()
         invocation = CodeModeNestedToolCall(
-            self.cell_id,
-            call_id,
-            definition.tool_name,
-            definition.kind,
-            None if input_json is None else _DECODER.decode(input_json),
+            self.cell_id, call_id, definition.tool_name, definition.kind, arguments
         )
         task = _start_task(self._loop, self._serve_call(call_id, invocation, token))
         if not task.done():  # an eagerly started tool may already have answered
             self._calls[call_id] = (task, token)
+            self._session.pending_calls += 1
+            task.add_done_callback(self._session.callback_done)
 
     async def _serve_call(
         self, call_id: str, invocation: CodeModeNestedToolCall, token: CancellationToken
@@ -246,16 +279,21 @@ class Cell:
         self._calls.pop(call_id, None)
         if token.is_cancelled() or self._state is not _State.RUNNING:
             return  # nobody wants it any more
-        self._session.engine.send_result(self.key, call_id, ok, value)
+        self._engine.send_result(self.key, call_id, ok, value)
 
     def on_notify(self, text: str) -> None:
         if self._state is not _State.RUNNING:
+            return
+        if self._session.pending_calls >= MAX_PENDING_DELEGATE_CALLS:
+            logger.warning("failed to deliver code mode notification: %s", PENDING_LIMIT_TEXT)
             return
         token = CancellationToken()
         task = asyncio.ensure_future(
             self._session.delegate.notify(self._call_id, self.cell_id, text, token)
         )
         self._notifications[task] = token
+        self._session.pending_calls += 1
+        task.add_done_callback(self._session.callback_done)
         task.add_done_callback(self._notification_done)
 
     def _notification_done(self, task: asyncio.Future[None]) -> None:
@@ -272,14 +310,21 @@ class Cell:
         self._stopped.set()
         if self._state is not _State.RUNNING:
             return
-        self._state = _State.FINISHING
-        if reason == "oom":
-            limit = self._session.limits.max_heap_size_bytes
+        limit = self._session.limits.max_heap_size_bytes
+        if reason == "oom" and limit is not None:
             message = f"exec cell exceeded the heap limit of {limit} bytes"
+        elif reason in ("oom", "memory"):
+            cap = self._engine.memory_cap_bytes
+            message = f"exec cell exceeded the engine memory limit of {cap} bytes"
         else:
             if detail:
                 logger.warning("exec cell %s: engine failure: %s", self.cell_id, detail)
             message = "exec runtime ended unexpectedly"
+        self._end(message)
+
+    def _end(self, message: str) -> None:
+        """Ends the running cell with ``message`` as an error (not a natural completion)."""
+        self._state = _State.FINISHING
         self._finishing = asyncio.ensure_future(self._finish(message, [], natural=False))
 
     # -- ends ------------------------------------------------------------------------------------
@@ -326,7 +371,7 @@ class Cell:
         if self._state is _State.CLOSED:
             raise CodeModeError(f"exec cell {self.cell_id} is closed")
         self._state = _State.TERMINATING
-        self._session.engine.terminate(self.key)
+        self._engine.terminate(self.key)
         await self._settle_calls()
         if not self._stopped.is_set():
             try:

@@ -1,9 +1,13 @@
-"""The JavaScript engine: a Node.js process whose worker threads run cells (decision 0002).
+"""The JavaScript engine: a Node.js process that runs each cell in its own bare V8 isolate.
 
-:class:`NodeEngine` owns one ``node js/host.js`` child. Each cell runs in its own worker (a fresh V8
-isolate with its own heap limit, stoppable while it spins). The child speaks length-prefixed JSON
-batches over its stdin/stdout (the protocol is documented at the top of ``js/host.js``); every
-message queued during one event-loop turn travels in one frame, in both directions.
+:class:`NodeEngine` owns one ``node js/host.js`` child (decision 0006). Each cell gets a fresh
+isolate of the ``isolated-vm`` addon (its own heap limit, counting ArrayBuffers; stoppable while
+it spins; nothing of Node inside). The child runs confined (:mod:`codemode.runtime.confinement`)
+and speaks length-prefixed JSON batches over its stdin/stdout (the protocol is documented at the
+top of ``js/host.js``); every message queued during one event-loop turn travels in one frame.
+
+What the child sends is untrusted: every frame is bounded and decoded into typed messages; a frame
+that is malformed or breaks the protocol ends the engine (and with it only its own cells).
 """
 
 from __future__ import annotations
@@ -15,22 +19,29 @@ import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Any, Final, Literal, Protocol
 
 import msgspec
 
 from codemode.errors import CodeModeError
 from codemode.protocol.types import ContentItem, ImageDetail, InputAudio, InputImage, InputText
+from codemode.runtime.confinement import ConfinementReport
 
-__all__ = ["CellEvents", "NodeEngine", "find_node"]
+__all__ = ["DEFAULT_MEMORY_CAP_BYTES", "CellEvents", "EngineBreach", "NodeEngine", "find_node"]
 
 logger = logging.getLogger("codemode.runtime.engine")
 
 JS_DIR: Final = Path(__file__).parent / "js"
-NODE_FLAGS: Final = ("--experimental-vm-modules", "--disable-warning=ExperimentalWarning")
 START_TIMEOUT: Final = 30.0
-_DECODER: Final = msgspec.json.Decoder()
+#: How often the memory watchdog reads the engine's resident size while cells run.
+WATCHDOG_INTERVAL: Final = 0.05
+_PAGE_SIZE: Final = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+#: The default cap on one engine process's resident memory (also the heap of unlimited cells).
+DEFAULT_MEMORY_CAP_BYTES: Final = 2 * 1024 * 1024 * 1024
+#: The largest frame the engine may send; its items are capped far below (16 Mi characters).
+MAX_ENGINE_FRAME_BYTES: Final = 256 * 1024 * 1024
 _ENCODER: Final = msgspec.json.Encoder()
+_reported = False  # the confinement layers are logged once per process
 
 
 def find_node() -> str:
@@ -68,13 +79,74 @@ class CellEvents(Protocol):
     def on_exited(self, reason: str, detail: str | None) -> None: ...
 
 
-def _item(message: dict[str, Any]) -> ContentItem:
-    kind = message["type"]
-    if kind == "input_text":
-        return InputText(message["value"])
-    if kind == "input_image":
-        return InputImage(message["value"], ImageDetail(message["detail"]))
-    return InputAudio(message["value"])
+class EngineBreach(CodeModeError):
+    """The engine process broke its protocol; it is treated as compromised and stopped."""
+
+
+# -- what the engine may say (host.js, "Host -> Python") ---------------------------------------------
+
+
+class _Message(msgspec.Struct, tag_field="t", forbid_unknown_fields=True):
+    pass
+
+
+class _Ready(_Message, tag="ready"):
+    pass
+
+
+class _Started(_Message, tag="started"):
+    cell: int
+
+
+class _Item(_Message, tag="item"):
+    cell: int
+    type: Literal["input_text", "input_image", "input_audio"]
+    value: str
+    detail: Literal["auto", "low", "high", "original"] | None = None
+
+
+class _Call(_Message, tag="call"):
+    cell: int
+    id: str
+    tool: int
+    input: str | None
+
+
+class _Notify(_Message, tag="notify"):
+    cell: int
+    text: str
+
+
+class _Yield(_Message, tag="yield"):
+    cell: int
+    turn: int
+
+
+class _Done(_Message, tag="done"):
+    cell: int
+    error: str | None
+    writes: str
+
+
+class _Exited(_Message, tag="exited"):
+    cell: int
+    reason: Literal["stopped", "oom", "crashed"]
+    detail: str | None = None
+
+
+_EngineMessage = _Ready | _Started | _Item | _Call | _Notify | _Yield | _Done | _Exited
+_BATCH: Final = msgspec.json.Decoder(list[_EngineMessage])
+_WRITES: Final = msgspec.json.Decoder(list[tuple[str, msgspec.Raw]])
+
+
+def _item(message: _Item) -> ContentItem:
+    if message.type == "input_text":
+        return InputText(message.value)
+    if message.type == "input_image":
+        if message.detail is None:
+            raise EngineBreach("image item without detail")
+        return InputImage(message.value, ImageDetail(message.detail))
+    return InputAudio(message.value)
 
 
 class _HostProtocol(asyncio.SubprocessProtocol):
@@ -87,9 +159,9 @@ class _HostProtocol(asyncio.SubprocessProtocol):
         if fd == 2:
             self._stderr += data
             *lines, rest = self._stderr.split(b"\n")
-            self._stderr = bytearray(rest)
+            self._stderr = bytearray(rest[-4096:])
             for line in lines:
-                logger.debug("engine: %s", line.decode("utf-8", "replace"))
+                logger.debug("engine: %s", line[:4096].decode("utf-8", "replace"))
             return
         buffer = self._buffer
         buffer += data
@@ -99,11 +171,20 @@ class _HostProtocol(asyncio.SubprocessProtocol):
         try:
             while len(buffer) - offset >= 4:
                 size = int.from_bytes(buffer[offset : offset + 4], "little")
+                if size > MAX_ENGINE_FRAME_BYTES:
+                    raise EngineBreach(f"engine frame of {size} bytes")
                 end = offset + 4 + size
                 if len(buffer) < end:
                     break
-                engine._dispatch(_DECODER.decode(memoryview(buffer)[offset + 4 : end]))
+                try:
+                    batch = _BATCH.decode(memoryview(buffer)[offset + 4 : end])
+                except msgspec.DecodeError as error:
+                    raise EngineBreach(f"malformed engine frame: {error}") from None
+                engine._dispatch(batch)
                 offset = end
+        except EngineBreach as breach:
+            engine._breach(str(breach))
+            return
         finally:
             engine._dispatching = False
         if offset:
@@ -116,11 +197,23 @@ class _HostProtocol(asyncio.SubprocessProtocol):
 
 
 class NodeEngine:
-    """Runs cells in worker threads of one Node.js child process, restarted on demand."""
+    """Runs cells in bare V8 isolates of one confined Node.js child process.
 
-    def __init__(self, *, warm_workers: int = 2, node: str | None = None) -> None:
-        self._warm_workers = warm_workers
+    ``memory_cap_bytes`` bounds the child's resident memory: past it every running cell ends with
+    an error. ``require_confinement`` turns an OS confinement layer this machine lacks into an
+    error at start instead of a warning.
+    """
+
+    def __init__(
+        self,
+        *,
+        node: str | None = None,
+        memory_cap_bytes: int = DEFAULT_MEMORY_CAP_BYTES,
+        require_confinement: bool = False,
+    ) -> None:
         self._node = node
+        self.memory_cap_bytes = memory_cap_bytes
+        self.require_confinement = require_confinement
         self._transport: asyncio.SubprocessTransport | None = None
         self._stdin: asyncio.WriteTransport | None = None
         self._ready: asyncio.Future[None] | None = None
@@ -131,8 +224,12 @@ class NodeEngine:
         self._results: dict[int, list[Any]] = {}
         self._flush_scheduled = False
         self._dispatching = False
-        self._pools: set[int | None] = set()
         self._closed = False
+        self._exit_reason = "the JavaScript engine process exited"
+        self._exit_kind = "crashed"
+        self._watchdog: asyncio.TimerHandle | None = None
+        #: The confinement layers applied to the engine process (set when it starts).
+        self.confinement: ConfinementReport | None = None
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -140,6 +237,16 @@ class NodeEngine:
     def running(self) -> bool:
         """True while the Node child is up and ready."""
         return self._ready is not None and self._ready.done() and self._transport is not None
+
+    @property
+    def pid(self) -> int | None:
+        """The process id of the Node child while it runs."""
+        return None if self._transport is None else self._transport.get_pid()
+
+    @property
+    def live_cells(self) -> int:
+        """How many cells this engine is running."""
+        return len(self._cells)
 
     async def start(self) -> None:
         """Start the Node child if it is not running (concurrent callers share one start)."""
@@ -155,18 +262,43 @@ class NodeEngine:
             await self._spawn()
 
     async def _spawn(self) -> None:
+        from codemode.runtime import confinement
+        from codemode.runtime.isolated_vm import ensure_isolated_vm
+
         loop = asyncio.get_running_loop()
         node = self._node or find_node()
+        addon = await asyncio.to_thread(ensure_isolated_vm, node)
+        report = self.confinement = confinement.probe()
+        global _reported
+        if not _reported:
+            _reported = True
+            logger.info("%s", report.describe())
+        if self.require_confinement and report.missing():
+            raise confinement.ConfinementError(
+                "engine confinement required but unavailable here: " + ", ".join(report.missing())
+            )
+        read_paths = [JS_DIR, addon / "prebuilds"]
+        command = [
+            node,
+            "--disable-warning=SecurityWarning",
+            *confinement.node_flags(read_paths),
+            str(JS_DIR / "host.js"),
+            str(addon),
+            str(self.memory_cap_bytes),
+        ]
         self._ready = loop.create_future()
+        self._exit_reason = "the JavaScript engine process exited"
+        self._exit_kind = "crashed"
         try:
             transport, _ = await loop.subprocess_exec(
                 lambda: _HostProtocol(self),
-                node,
-                *NODE_FLAGS,
-                str(JS_DIR / "host.js"),
+                *command,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
+                preexec_fn=confinement.preexec(read_paths, [Path(node)], unix_sockets=False),
+                env=_engine_environment(),
+                cwd="/",
             )
         except OSError as error:
             self._ready = None
@@ -182,8 +314,6 @@ class NodeEngine:
             self._transport = None
             self._ready = None
             raise CodeModeError("the JavaScript engine did not start") from None
-        self._pools = set()
-        self._set_pool(None, self._warm_workers)
 
     async def aclose(self) -> None:
         """Stop the Node child; every running cell ends as if its engine crashed."""
@@ -202,7 +332,42 @@ class NodeEngine:
         transport.close()
         self._host_exited()
 
+    def _breach(self, reason: str) -> None:
+        # The child is no longer trusted to say anything true: stop it; its cells end.
+        logger.error("codemode engine %s stopped: %s", self.pid, reason)
+        transport = self._transport
+        if transport is not None:
+            transport.kill()
+        self._host_exited()
+
+    def _watch(self) -> None:
+        # From outside the engine, so that nothing running in it can blind the watchdog.
+        self._watchdog = None
+        if not self._cells or self._transport is None:
+            return
+        rss = _resident_bytes(self._transport.get_pid())
+        if rss is not None and rss > self.memory_cap_bytes:
+            logger.warning(
+                "codemode engine %s: %d bytes resident, over its cap of %d: stopping it",
+                self.pid,
+                rss,
+                self.memory_cap_bytes,
+            )
+            self._exit_kind = "memory"
+            self._exit_reason = f"resident memory {rss} bytes over the cap"
+            self._transport.kill()
+            self._host_exited()
+            return
+        self._arm_watchdog()
+
+    def _arm_watchdog(self) -> None:
+        if self._watchdog is None and self._transport is not None:
+            self._watchdog = asyncio.get_running_loop().call_later(WATCHDOG_INTERVAL, self._watch)
+
     def _host_exited(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         transport, self._transport = self._transport, None
         if transport is not None:
             transport.close()
@@ -215,7 +380,7 @@ class NodeEngine:
         self._results.clear()
         cells, self._cells = self._cells, {}
         for events in cells.values():
-            events.on_exited("crashed", "the JavaScript engine process exited")
+            events.on_exited(self._exit_kind, self._exit_reason)
 
     # -- cells -------------------------------------------------------------------------------------
 
@@ -228,8 +393,7 @@ class NodeEngine:
         key = self._next_key
         self._next_key += 1
         self._cells[key] = events
-        if heap_mb is not None and heap_mb not in self._pools:
-            self._set_pool(heap_mb, 1)
+        self._arm_watchdog()
         self._send(
             {"t": "exec", "cell": key, "heap": heap_mb, "source": source, "config": config_json}
         )
@@ -249,10 +413,6 @@ class NodeEngine:
         """Stop a cell's isolate; the engine answers with ``on_exited``."""
         if key in self._cells:
             self._send({"t": "terminate", "cell": key})
-
-    def _set_pool(self, heap_mb: int | None, size: int) -> None:
-        self._pools.add(heap_mb)
-        self._send({"t": "pool", "heap": heap_mb, "size": size})
 
     # -- I/O -----------------------------------------------------------------------------------------
 
@@ -280,39 +440,62 @@ class NodeEngine:
         buffer[:4] = (len(buffer) - 4).to_bytes(4, "little")
         self._stdin.write(buffer)
 
-    def _dispatch(self, batch: list[dict[str, Any]]) -> None:
+    def _dispatch(self, batch: list[_EngineMessage]) -> None:
         cells = self._cells
         for message in batch:
-            kind = message["t"]
-            if kind == "ready":
+            if isinstance(message, _Ready):
                 if self._ready is not None and not self._ready.done():
                     self._ready.set_result(None)
                 continue
-            events = cells.get(message["cell"])
+            events = cells.get(message.cell)
             if events is None:
-                continue
+                continue  # a cell that already ended (or never was): nothing to tell
             try:
-                self._deliver(kind, message, events)
+                self._deliver(message, events)
+            except EngineBreach:
+                raise
             except Exception:  # a bug in one cell's handler must not stop the others
-                logger.exception("codemode engine: failed to handle %s", kind)
+                logger.exception("codemode engine: failed to handle %s", type(message).__name__)
 
-    def _deliver(self, kind: str, message: dict[str, Any], events: CellEvents) -> None:
-        if kind == "item":
+    def _deliver(self, message: _EngineMessage, events: CellEvents) -> None:
+        if isinstance(message, _Item):
             events.on_item(_item(message))
-        elif kind == "call":
-            events.on_call(message["id"], message["tool"], message["input"])
-        elif kind == "notify":
-            events.on_notify(message["text"])
-        elif kind == "started":
+        elif isinstance(message, _Call):
+            events.on_call(message.id, message.tool, message.input)
+        elif isinstance(message, _Notify):
+            events.on_notify(message.text)
+        elif isinstance(message, _Started):
             events.on_started()
-        elif kind == "yield":
-            events.on_yield(message["turn"])
-        elif kind == "done":
-            writes = [(key, value) for key, value in _DECODER.decode(message["writes"])]
-            events.on_done(message["error"], writes)
-        elif kind == "exited":
-            del self._cells[message["cell"]]
-            events.on_exited(message["reason"], message.get("detail"))
+        elif isinstance(message, _Yield):
+            events.on_yield(message.turn)
+        elif isinstance(message, _Done):
+            try:
+                writes = [
+                    (key, bytes(value).decode()) for key, value in _WRITES.decode(message.writes)
+                ]
+            except (msgspec.DecodeError, UnicodeDecodeError) as error:
+                raise EngineBreach(f"malformed store writes: {error}") from None
+            events.on_done(message.error, writes)
+        elif isinstance(message, _Exited):
+            del self._cells[message.cell]
+            events.on_exited(message.reason, message.detail)
+
+
+def _resident_bytes(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * _PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return None  # not Linux, or the process is gone
+
+
+def _engine_environment() -> dict[str, str]:
+    # The child needs no secrets from ours: a minimal environment, no inherited tokens.
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "UV_USE_IO_URING": "0"}
+    for name in ("TZ",):
+        if name in os.environ:
+            env[name] = os.environ[name]
+    return env
 
 
 #: Builds the raw JSON of a tool result, or raises TypeError/ValueError if it is not JSON.

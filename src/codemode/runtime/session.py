@@ -1,4 +1,11 @@
-"""The embedded session: :class:`LocalSession` runs cells in this process's JavaScript engine."""
+"""The embedded session: :class:`LocalSession` runs cells in an engine process of its own.
+
+Sessions are kept apart by processes (decision 0006): each session takes a fresh, confined engine
+from an :class:`EnginePool` when it first needs one, never shares it, and gives it back to the
+kernel after ``idle_engine_timeout`` seconds without a live cell (the store lives here, in Python,
+so nothing is lost; the next cell takes a fresh engine). ``shared_engine=True`` runs every session
+of a provider in one engine: one trust domain, for callers whose sessions trust each other.
+"""
 
 from __future__ import annotations
 
@@ -32,14 +39,96 @@ from codemode.protocol.types import (
     WaitRequest,
 )
 from codemode.runtime.cell import Cell
-from codemode.runtime.engine import NodeEngine
+from codemode.runtime.engine import DEFAULT_MEMORY_CAP_BYTES, NodeEngine
 
-__all__ = ["InvalidLimitsError", "LocalSession", "LocalSessionProvider", "check_limits"]
+__all__ = [
+    "EnginePool",
+    "InvalidLimitsError",
+    "LocalSession",
+    "LocalSessionProvider",
+    "check_limits",
+]
 
 logger = logging.getLogger("codemode.runtime")
 
 _MIB: Final = 1024 * 1024
 _ENCODER: Final = msgspec.json.Encoder()
+#: How long a session keeps its engine process without a live cell.
+DEFAULT_IDLE_ENGINE_TIMEOUT: Final = 30.0
+
+
+class EnginePool:
+    """Started engine processes, each handed out once and never reused by another session."""
+
+    def __init__(
+        self,
+        *,
+        size: int = 1,
+        memory_cap_bytes: int = DEFAULT_MEMORY_CAP_BYTES,
+        require_confinement: bool = False,
+        node: str | None = None,
+    ) -> None:
+        self.size = size
+        self.memory_cap_bytes = memory_cap_bytes
+        self.require_confinement = require_confinement
+        self._node = node
+        self._ready: list[NodeEngine] = []
+        self._refill: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def _new(self) -> NodeEngine:
+        return NodeEngine(
+            node=self._node,
+            memory_cap_bytes=self.memory_cap_bytes,
+            require_confinement=self.require_confinement,
+        )
+
+    async def take(self) -> NodeEngine:
+        """A started engine for one session; the pool starts its replacement in the background."""
+        if self._closed:
+            raise CodeModeError("the engine pool is closed")
+        engine = None
+        while self._ready and engine is None:
+            candidate = self._ready.pop(0)
+            engine = candidate if candidate.running else None
+        if engine is None:
+            engine = self._new()
+            await engine.start()
+        self._schedule_refill()
+        return engine
+
+    async def warm(self) -> None:
+        """Start the pool's engines now (e.g. while a host handshakes)."""
+        await self._fill()
+
+    def _schedule_refill(self) -> None:
+        if self.size > 0 and (self._refill is None or self._refill.done()):
+            self._refill = asyncio.ensure_future(self._fill())
+            self._refill.add_done_callback(_log_failure)
+
+    async def _fill(self) -> None:
+        while not self._closed and len(self._ready) < self.size:
+            engine = self._new()
+            await engine.start()
+            if self._closed:
+                await engine.aclose()
+                return
+            self._ready.append(engine)
+
+    async def aclose(self) -> None:
+        """Stop the idle engines (engines handed out belong to their sessions)."""
+        self._closed = True
+        if self._refill is not None:
+            self._refill.cancel()
+            with contextlib.suppress(BaseException):
+                await self._refill
+        ready, self._ready = self._ready, []
+        await asyncio.gather(*(engine.aclose() for engine in ready))
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and (error := task.exception()) is not None:
+        logger.warning("codemode engine pool: could not start an engine: %s", error)
 
 
 class InvalidLimitsError(CodeModeError):
@@ -66,13 +155,20 @@ class LocalSession(CodeModeSession):
 
     def __init__(
         self,
-        engine: NodeEngine,
+        engines: EnginePool | NodeEngine,
         delegate: CodeModeSessionDelegate,
         limits: CodeModeSessionCellExecutionLimits | None = None,
         *,
         store_load: bool = True,
+        idle_engine_timeout: float = DEFAULT_IDLE_ENGINE_TIMEOUT,
     ) -> None:
-        self.engine = engine
+        # A NodeEngine is shared (and owned by the caller); a pool gives this session its own.
+        self._engines = engines
+        self.engine: NodeEngine | None = engines if isinstance(engines, NodeEngine) else None
+        self._idle_timeout = idle_engine_timeout
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._taking: asyncio.Lock = asyncio.Lock()
+        self.pending_calls = 0  # unresolved nested calls and notifications of all cells
         self.delegate = delegate
         self.limits = limits or CodeModeSessionCellExecutionLimits()
         check_limits(self.limits)
@@ -88,16 +184,29 @@ class LocalSession(CodeModeSession):
 
     # -- the session API ---------------------------------------------------------------------------
 
+    async def _engine(self) -> NodeEngine:
+        async with self._taking:
+            engine = self.engine
+            if engine is not None and isinstance(self._engines, EnginePool) and not engine.running:
+                engine = None  # its process died: this session's next cells get a fresh one
+            if engine is None:
+                assert isinstance(self._engines, EnginePool)
+                engine = self.engine = await self._engines.take()
+            else:
+                await engine.start()
+            return engine
+
     async def execute(self, request: ExecuteRequest) -> StartedCell:
         self._check_open()
-        await self.engine.start()
+        engine = await self._engine()
         self._check_open()
+        self._cancel_idle()
         cell_id = CellId(str(self._next_cell))
         self._next_cell += 1
         tools = list(request.enabled_tools)
         config = self._config(tools)
-        cell = Cell(self, cell_id, request.tool_call_id, tools)
-        cell.key = self.engine.run_cell(cell, request.source, config, self._heap_mb)
+        cell = Cell(self, engine, cell_id, request.tool_call_id, tools)
+        cell.key = engine.run_cell(cell, request.source, config, self._heap_mb)
         self._cells[cell_id] = cell
         initial = cell.observe(self._yield_ms(request.yield_time_ms))
         return StartedCell.from_awaitable(cell_id, initial, lambda: self._abandon(cell_id))
@@ -131,6 +240,28 @@ class LocalSession(CodeModeSession):
         for cell, outcome in zip(cells, results, strict=True):
             if isinstance(outcome, BaseException) and not cell.closed:
                 logger.warning("shutdown: cell %s: %s", cell.cell_id, outcome)
+        self._cancel_idle()
+        await self._release_engine()
+
+    async def _release_engine(self) -> None:
+        engine = self.engine
+        if engine is not None and isinstance(self._engines, EnginePool):
+            self.engine = None
+            await engine.aclose()
+
+    def _cancel_idle(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+
+    def _reap_if_idle(self) -> None:
+        self._idle_timer = None
+        engine = self.engine
+        if self._cells or engine is None or engine.live_cells or self._taking.locked():
+            return
+        self.engine = None
+        task = asyncio.ensure_future(engine.aclose())
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
 
     @staticmethod
     async def _retire(cell: Cell) -> None:
@@ -148,9 +279,16 @@ class LocalSession(CodeModeSession):
             self._store.update(writes)
 
     def forget(self, cell: Cell) -> None:
-        """Remove a closed cell."""
+        """Remove a closed cell; an idle session's own engine is released after a while."""
         if self._cells.get(cell.cell_id) is cell:
             del self._cells[cell.cell_id]
+        if not self._cells and isinstance(self._engines, EnginePool) and not self._shutting_down:
+            self._cancel_idle()
+            self._idle_timer = self._loop.call_later(self._idle_timeout, self._reap_if_idle)
+
+    def callback_done(self, _: object) -> None:
+        """A nested call or notification of one of this session's cells resolved."""
+        self.pending_calls -= 1
 
     def _check_open(self) -> None:
         if self._shutting_down:
@@ -189,20 +327,39 @@ class LocalSession(CodeModeSession):
 
 
 class LocalSessionProvider(CodeModeSessionProvider):
-    """Creates :class:`LocalSession` objects sharing one JavaScript engine process.
+    """Creates :class:`LocalSession` objects, each with an engine process of its own.
 
-    ``store_load=False`` removes ``store``/``load`` from every cell. Close with :meth:`aclose`.
+    ``store_load=False`` removes ``store``/``load`` from every cell. ``shared_engine=True`` runs
+    all sessions in one engine process (one trust domain: an escaped cell could reach the other
+    sessions' cells). ``memory_cap_bytes`` bounds each engine process; ``require_confinement``
+    refuses to start engines where an OS confinement layer is unavailable. Close with
+    :meth:`aclose`.
     """
 
     def __init__(
         self,
         *,
         store_load: bool = True,
-        warm_workers: int = 2,
+        shared_engine: bool = False,
+        warm_engines: int = 1,
+        memory_cap_bytes: int = DEFAULT_MEMORY_CAP_BYTES,
+        require_confinement: bool = False,
+        idle_engine_timeout: float = DEFAULT_IDLE_ENGINE_TIMEOUT,
         engine: NodeEngine | None = None,
     ) -> None:
         self.store_load = store_load
-        self.engine = engine or NodeEngine(warm_workers=warm_workers)
+        self.idle_engine_timeout = idle_engine_timeout
+        self.pool = EnginePool(
+            size=warm_engines,
+            memory_cap_bytes=memory_cap_bytes,
+            require_confinement=require_confinement,
+        )
+        if engine is None and shared_engine:
+            engine = NodeEngine(
+                memory_cap_bytes=memory_cap_bytes, require_confinement=require_confinement
+            )
+        #: The one engine of every session, when engines are shared.
+        self.shared_engine = engine
         self._sessions: list[LocalSession] = []
 
     async def create_session(self, delegate: CodeModeSessionDelegate) -> LocalSession:
@@ -214,16 +371,44 @@ class LocalSessionProvider(CodeModeSessionProvider):
         limits: CodeModeSessionCellExecutionLimits,
     ) -> LocalSession:
         check_limits(limits)
-        await self.engine.start()
-        session = LocalSession(self.engine, delegate, limits, store_load=self.store_load)
+        engines: EnginePool | NodeEngine = self.pool
+        if self.shared_engine is not None:
+            await self.shared_engine.start()
+            engines = self.shared_engine
+        session = LocalSession(
+            engines,
+            delegate,
+            limits,
+            store_load=self.store_load,
+            idle_engine_timeout=self.idle_engine_timeout,
+        )
+        if self.shared_engine is None:
+            await session._engine()  # surface engine start-up failures here, not at execute
         self._sessions.append(session)
         return session
 
+    @property
+    def live_cells(self) -> int:
+        """How many cells the engines of this provider's sessions are running."""
+        engines = {id(s.engine): s.engine for s in self._sessions if s.engine is not None}
+        if self.shared_engine is not None:
+            engines[id(self.shared_engine)] = self.shared_engine
+        return sum(engine.live_cells for engine in engines.values())
+
+    async def warm(self) -> None:
+        """Start engines ahead of the first session (optional)."""
+        if self.shared_engine is not None:
+            await self.shared_engine.start()
+        else:
+            await self.pool.warm()
+
     async def aclose(self) -> None:
-        """Shut down every session and stop the engine."""
+        """Shut down every session and stop the engines."""
         sessions, self._sessions = self._sessions, []
         await asyncio.gather(*(session.shutdown() for session in sessions))
-        await self.engine.aclose()
+        await self.pool.aclose()
+        if self.shared_engine is not None:
+            await self.shared_engine.aclose()
 
     async def __aenter__(self) -> LocalSessionProvider:
         return self

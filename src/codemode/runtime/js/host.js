@@ -1,225 +1,457 @@
 'use strict';
 // The code-mode engine host: one Node process that runs cells for a Python runtime.
 //
-// Started as `node --experimental-vm-modules --disable-warning=ExperimentalWarning host.js`.
-// Each cell runs in its own worker_threads Worker (its own V8 isolate, its own heap limit,
-// terminable while it spins), evaluated as an ES module in a fresh vm context (worker.js).
-// Warm workers are spawned ahead of time so that an execute does not pay isolate start-up.
+// Started as `node [confinement flags] host.js ISOLATED_VM_DIR MEMORY_CAP_BYTES`. Each cell runs in
+// its own bare V8 isolate (the isolated-vm addon): no Node object, no `process`, no `require`
+// exists there, so cell code cannot reach this realm. The prelude (prelude.js) runs inside the
+// isolate and talks to this file only through a few copy-only callbacks that carry primitives;
+// this file stamps the cell id of every message itself (a cell cannot speak for another one).
 //
 // Python <-> host, over this process's stdin/stdout: a frame is a 4-byte little-endian length
 // and a UTF-8 JSON array of messages (a batch). Each side writes everything it queued in one
 // turn as one frame. stdout carries frames only; diagnostics go to stderr.
 //
 // Python -> host
-//   {t:'pool', heap:int|null, size:int}           keep `size` warm workers for heap limit `heap` (MB)
 //   {t:'exec', cell:int, heap:int|null, source:str, config:str}
 //                                                 run a cell; `config` is the prelude's JSON text
 //   {t:'results', cell, r:[[call_id, ok, value]]} settle nested tool calls (ok=false: error text)
 //   {t:'terminate', cell}                         stop the cell's isolate (works while it spins)
 //
-// Host -> Python
+// Host -> Python (every string is well-formed UTF-16: lone surrogates become U+FFFD)
 //   {t:'ready'}                                   the host is up
-//   {t:'started', cell}                           module linked, evaluation begins
+//   {t:'started', cell}                           compiled; evaluation begins
 //   {t:'item', cell, type, value, detail}         a content item (text or URL, image detail)
 //   {t:'call', cell, id, tool:int, input:str|null}
 //                                                 nested tool call; input is JSON text or null
 //   {t:'notify', cell, text}                      notify(text)
-//   {t:'yield', cell, turn:int}                   yield_control() in the cell's event-loop turn
+//   {t:'yield', cell, turn:int}                   yield_control() in the cell's turn `turn`
 //   {t:'done', cell, error:str|null, writes:str}  completed; writes = JSON [[key, json text]]
 //   {t:'exited', cell, reason:'stopped'|'oom'|'crashed', detail?}
 //                                                 the cell's isolate is gone (always sent, last)
 
-const { Worker } = require('node:worker_threads');
+const fs = require('node:fs');
 const path = require('node:path');
 
 for (const name of ['log', 'info', 'debug', 'warn']) console[name] = console.error;
 
-const WORKER_FILE = path.join(__dirname, 'worker.js');
-const REFILL_DELAY_MS = 10;
+const ivm = loadIsolatedVm(process.argv[2]);
+// The heap of a cell without a heap limit; the process as a whole is watched from Python.
+const MEMORY_CAP = Number(process.argv[3]) || 2 * 1024 * 1024 * 1024;
+const PRELUDE_FILE = path.join(__dirname, 'prelude.js');
+const PRELUDE = fs.readFileSync(PRELUDE_FILE, 'utf8');
+// isolated-vm refuses smaller isolates; a smaller heap limit is still reported as asked.
+const MIN_ISOLATE_MB = 8;
+// Flush early when a batch grows large, so one frame stays far below the reader's cap.
+const FLUSH_BYTES = 8 * 1024 * 1024;
+
+function loadIsolatedVm(dir) {
+  const base = path.join(dir, 'prebuilds', `${process.platform}-${process.arch}`);
+  const abi = process.versions.modules;
+  const names = process.platform === 'linux'
+    ? [`isolated-vm.abi${abi}.glibc.node`, `isolated-vm.abi${abi}.musl.node`]
+    : [`isolated-vm.abi${abi}.node`];
+  let failure = null;
+  for (const name of names) {
+    try {
+      return require(path.join(base, name)).ivm;
+    } catch (error) {
+      failure = error;
+    }
+  }
+  throw new Error(`cannot load isolated-vm from ${base}: ${failure && failure.message}`);
+}
 
 // -- outbound: one frame per turn ----------------------------------------------------------------
 let outbox = [];
+let outboxBytes = 0;
 let flushQueued = false;
 
 function flush() {
   flushQueued = false;
+  if (outbox.length === 0) return;
   const body = Buffer.from(JSON.stringify(outbox), 'utf8');
   outbox = [];
+  outboxBytes = 0;
   const head = Buffer.allocUnsafe(4);
   head.writeUInt32LE(body.length, 0);
-  process.stdout.write(Buffer.concat([head, body]));
+  process.stdout.write(head);
+  process.stdout.write(body);
 }
 
-function send(message) {
+function send(message, bytes) {
   outbox.push(message);
-  if (!flushQueued) {
+  outboxBytes += bytes || 64;
+  if (outboxBytes >= FLUSH_BYTES) flush();
+  else if (!flushQueued) {
     flushQueued = true;
     setImmediate(flush);
   }
 }
 
-// -- workers -------------------------------------------------------------------------------------
-const warm = new Map(); // heap key -> warm idle workers
-const poolSize = new Map(); // heap key -> wanted number of warm workers
-const booting = new Map(); // heap key -> workers starting for the pool
-const cells = new Map(); // cell -> worker
-
-function keyOf(heap) {
-  return heap === null || heap === undefined ? 'none' : String(heap);
+// Text leaving V8 must be valid UTF-8 downstream: replace lone surrogates.
+function wellFormed(value) {
+  return typeof value === 'string' ? value.toWellFormed() : '';
 }
 
-function spawn(heap) {
-  const options = { stdout: true, stderr: false };
-  if (heap !== null && heap !== undefined) {
-    options.resourceLimits = {
-      maxOldGenerationSizeMb: heap,
-      maxYoungGenerationSizeMb: Math.max(1, Math.min(16, Math.floor(heap / 4))),
-    };
+// -- cells ---------------------------------------------------------------------------------------
+const cells = new Map(); // cell -> Cell
+
+class Cell {
+  constructor(id) {
+    this.id = id;
+    this.isolate = null;
+    this.context = null;
+    this.entry = null; // Reference to the prelude's entry function
+    this.timers = new Map();
+    this.finished = false; // `done` was sent
+    this.gone = false; // the isolate is disposed and `exited` was sent
+    this.stopping = false;
   }
-  const worker = new Worker(WORKER_FILE, options);
-  worker.stdout.pipe(process.stderr);
-  worker.heap = heap;
-  worker.cell = null;
-  worker.isWarm = false;
-  worker.pending = null;
-  worker.finished = false;
-  worker.stopping = false;
-  worker.oom = false;
-  worker.failure = null;
-  worker.on('message', (batch) => fromWorker(worker, batch));
-  worker.on('error', (error) => {
-    if (error && error.code === 'ERR_WORKER_OUT_OF_MEMORY') worker.oom = true;
-    worker.failure = String((error && error.stack) || error);
-  });
-  worker.on('exit', () => exited(worker));
-  return worker;
-}
 
-function refill(heap) {
-  const key = keyOf(heap);
-  const want = poolSize.get(key) || 0;
-  const ready = (warm.get(key) || []).length;
-  let starting = booting.get(key) || 0;
-  while (ready + starting < want) {
-    spawn(heap);
-    starting += 1;
-  }
-  booting.set(key, starting);
-}
-
-function fromWorker(worker, batch) {
-  for (const message of batch) {
-    if (message.t === 'warm') {
-      worker.isWarm = true;
-      if (worker.pending !== null) {
-        const exec = worker.pending;
-        worker.pending = null;
-        worker.postMessage([exec]);
-      } else {
-        const key = keyOf(worker.heap);
-        booting.set(key, Math.max(0, (booting.get(key) || 0) - 1));
-        if (!warm.has(key)) warm.set(key, []);
-        warm.get(key).push(worker);
-      }
-      continue;
+  // Runs `kind` inside the isolate. A failure here means the isolate died (memory limit,
+  // disposal); the reason is reported once.
+  enter(kind, a, b) {
+    if (this.gone) return;
+    let pending;
+    try {
+      pending = this.entry.apply(undefined, [kind, a, b], { arguments: { copy: true } });
+    } catch (error) {
+      this.failed(error);
+      return;
     }
-    if (message.t === 'done') worker.finished = true;
+    pending.catch((error) => this.failed(error));
+  }
+
+  failed(error) {
+    if (this.gone) return;
+    const message = String((error && error.message) || error);
+    if (/memory limit/i.test(message)) this.exit('oom');
+    else if (this.stopping || this.finished) this.exit('stopped');
+    else this.exit('crashed', message);
+  }
+
+  // Ends the isolate and reports why; the last message of a cell.
+  exit(reason, detail) {
+    if (this.gone) return;
+    this.gone = true;
+    cells.delete(this.id);
+    for (const handle of this.timers.values()) clearTimeout(handle);
+    this.timers.clear();
+    if (this.isolate !== null && !this.isolate.isDisposed) {
+      try {
+        this.isolate.dispose();
+      } catch (error) {
+        // already gone
+      }
+    }
+    const message = { t: 'exited', cell: this.id, reason };
+    if (detail !== undefined) message.detail = wellFormed(detail);
     send(message);
   }
+
+  // The callbacks the prelude receives. They run on this thread, in the order the cell made the
+  // calls, with copied primitive arguments; anything else is refused here, not trusted.
+  callbacks() {
+    const cell = this;
+    const live = () => !cell.gone && !cell.finished;
+    const ignored = { ignored: true };
+    return [
+      new ivm.Callback((type, value, detail) => {
+        if (!live() || typeof value !== 'string') return;
+        if (type !== 'input_text' && type !== 'input_image' && type !== 'input_audio') return;
+        const item = { t: 'item', cell: cell.id, type, value: wellFormed(value) };
+        if (type === 'input_image') item.detail = typeof detail === 'string' ? detail : 'high';
+        send(item, value.length * 2);
+      }, ignored),
+      new ivm.Callback((id, tool, input) => {
+        if (!live() || typeof id !== 'string' || !Number.isSafeInteger(tool)) return;
+        const text = typeof input === 'string' ? wellFormed(input) : null;
+        send({ t: 'call', cell: cell.id, id: wellFormed(id), tool, input: text },
+          text === null ? 64 : text.length * 2);
+      }, ignored),
+      new ivm.Callback((text) => {
+        if (!live() || typeof text !== 'string') return;
+        send({ t: 'notify', cell: cell.id, text: wellFormed(text) }, text.length * 2);
+      }, ignored),
+      new ivm.Callback((turn) => {
+        if (!live() || !Number.isSafeInteger(turn)) return;
+        send({ t: 'yield', cell: cell.id, turn });
+      }, ignored),
+      new ivm.Callback((error, writes) => {
+        if (!live()) return;
+        cell.finished = true;
+        const text = error === null ? null : wellFormed(String(error));
+        send({ t: 'done', cell: cell.id, error: text, writes: wellFormed(writes) },
+          typeof writes === 'string' ? writes.length * 2 : 64);
+        cell.exit('stopped');
+      }, ignored),
+      new ivm.Callback((id, ms) => {
+        if (!live() || !Number.isSafeInteger(id) || typeof ms !== 'number') return;
+        cell.timers.set(id, setTimeout(() => {
+          cell.timers.delete(id);
+          cell.enter('timer', id);
+        }, Math.min(Math.max(ms, 0), 0x7fffffff)));
+      }, ignored),
+      new ivm.Callback((id) => {
+        const handle = cell.timers.get(id);
+        if (handle !== undefined) {
+          clearTimeout(handle);
+          cell.timers.delete(id);
+        }
+      }, ignored),
+    ];
+  }
 }
 
-function exited(worker) {
-  const key = keyOf(worker.heap);
-  const idle = warm.get(key);
-  if (idle) {
-    const index = idle.indexOf(worker);
-    if (index >= 0) idle.splice(index, 1);
-  }
-  if (worker.cell === null) {
-    // A pool worker died before it was used: do not respawn in a loop.
-    if (!worker.isWarm) booting.set(key, Math.max(0, (booting.get(key) || 0) - 1));
-    return;
-  }
-  const cell = worker.cell;
-  cells.delete(cell);
-  let reason = 'stopped';
-  if (!worker.finished && !worker.stopping) reason = worker.oom ? 'oom' : 'crashed';
-  const message = { t: 'exited', cell, reason };
-  if (reason === 'crashed') message.detail = worker.failure || 'worker exited';
-  send(message);
-  refill(worker.heap);
-}
+// The cell runs as the body of an async function (so the prelude can observe how it ends and
+// turn what it threw into text inside the isolate). The header sits on line 0 so that line and
+// column numbers are those of the source the model wrote.
+const WRAP_HEAD = "(async function () {'use strict';\n";
+const WRAP_TAIL = '\n})';
 
 function exec(message) {
-  const key = keyOf(message.heap);
-  const idle = warm.get(key) || [];
-  const run = { t: 'exec', cell: message.cell, source: message.source, config: message.config };
-  let worker = idle.shift();
-  if (worker === undefined) {
-    worker = spawn(message.heap);
-    worker.pending = run;
-  } else {
-    worker.postMessage([run]);
+  const cell = new Cell(message.cell);
+  cells.set(cell.id, cell);
+  const heap = message.heap;
+  try {
+    const limit = heap === null || heap === undefined
+      ? Math.max(MIN_ISOLATE_MB, Math.floor(MEMORY_CAP / (1024 * 1024)))
+      : Math.max(MIN_ISOLATE_MB, heap);
+    cell.isolate = new ivm.Isolate({ memoryLimit: limit });
+    const context = cell.isolate.createContextSync();
+    cell.context = context;
+    const prelude = cell.isolate.compileScriptSync(PRELUDE, { filename: 'codemode-prelude.js' });
+    const install = prelude.runSync(context, { reference: true });
+    cell.entry = install.applySync(undefined, cell.callbacks(), { result: { reference: true } });
+    cell.entry.applySync(undefined, ['configure', message.config], { arguments: { copy: true } });
+  } catch (error) {
+    cell.failed(error);
+    return;
   }
-  worker.cell = message.cell;
-  cells.set(message.cell, worker);
-  // Give the cell a head start: a worker boot is ~30 ms of CPU and, on a small machine, slows the
-  // cell's first milliseconds (and the forwarding of its output) when it starts at once.
-  setTimeout(() => refill(message.heap), REFILL_DELAY_MS);
+  let error = null;
+  let fn = null;
+  try {
+    // As a module first: its parser's verdict (syntax, static imports) is the one that counts.
+    const module = cell.isolate.compileModuleSync(message.source, { filename: 'exec_main.mjs' });
+    const imports = module.dependencySpecifiers;
+    if (imports.length > 0) error = `Unsupported import in exec: ${imports[0]}`;
+    module.release();
+  } catch (thrown) {
+    error = compileErrorText(thrown);
+  }
+  if (error === null) {
+    try {
+      const body = renameDynamicImports(message.source);
+      const script = cell.isolate.compileScriptSync(WRAP_HEAD + body + WRAP_TAIL, {
+        filename: 'exec_main.mjs',
+        lineOffset: -1,
+      });
+      fn = script.runSync(cell.context, { reference: true });
+    } catch (thrown) {
+      // Valid as a module but not as a function body (`export`, `import.meta`): not a cell.
+      error = compileErrorText(thrown);
+    }
+  }
+  if (error !== null) {
+    cell.enter('fail', error);
+    return;
+  }
+  send({ t: 'started', cell: cell.id });
+  cell.enter('run', fn.derefInto());
+}
+
+// V8 in a bare isolate rejects `import(x)` with its own "Not supported" error; cells must see
+// the runtime's text instead. Each dynamic import in the code (not in strings, comments, regular
+// expressions or template text) is renamed to a same-length global the prelude installs, so
+// lines and columns stay those of the source. One linear pass; a `/` is read as the start of a
+// regular expression unless it follows a value.
+const DYNAMIC_IMPORT = '$imprt';
+const ID_START = /[A-Za-z_$\u0080-\uffff]/;
+const ID_PART = /[A-Za-z0-9_$\u0080-\uffff]/;
+const VALUE_KEYWORDS = new Set(['this', 'super', 'null', 'true', 'false', 'undefined']);
+
+function renameDynamicImports(source) {
+  if (!source.includes('import')) return source;
+  const out = [];
+  let last = 0;
+  let i = 0;
+  let valueBefore = false; // does a `/` here divide (true) or start a regular expression?
+  const templates = []; // brace depths at which a template literal's `${` was opened
+  let depth = 0;
+  const n = source.length;
+  const skipString = (quote) => {
+    i++;
+    while (i < n && source[i] !== quote) i += source[i] === '\\' ? 2 : 1;
+    i++;
+  };
+  const skipTemplate = () => { // from just after ` or }, to just after ` or ${
+    while (i < n) {
+      const c = source[i];
+      if (c === '\\') i += 2;
+      else if (c === '`') { i++; return; }
+      else if (c === '$' && source[i + 1] === '{') { i += 2; templates.push(depth); depth++; return; }
+      else i++;
+    }
+  };
+  while (i < n) {
+    const c = source[i];
+    if (c === '/' && source[i + 1] === '/') {
+      while (i < n && source[i] !== '\n') i++;
+    } else if (c === '/' && source[i + 1] === '*') {
+      const end = source.indexOf('*/', i + 2);
+      i = end < 0 ? n : end + 2;
+    } else if (c === '"' || c === "'") {
+      skipString(c);
+      valueBefore = true;
+    } else if (c === '`') {
+      i++;
+      skipTemplate();
+      valueBefore = true;
+    } else if (c === '/') {
+      if (valueBefore) {
+        i++;
+        valueBefore = false;
+      } else {
+        i++;
+        let inClass = false;
+        while (i < n && source[i] !== '\n') {
+          const r = source[i];
+          if (r === '\\') i++;
+          else if (r === '[') inClass = true;
+          else if (r === ']') inClass = false;
+          else if (r === '/' && !inClass) break;
+          i++;
+        }
+        i++;
+        while (i < n && ID_PART.test(source[i])) i++;
+        valueBefore = true;
+      }
+    } else if (ID_START.test(c)) {
+      const start = i;
+      while (i < n && ID_PART.test(source[i])) i++;
+      const word = source.slice(start, i);
+      if (word === 'import' && source[start - 1] !== '.') {
+        let j = i;
+        for (;;) {
+          while (j < n && /\s/.test(source[j])) j++;
+          if (source[j] === '/' && source[j + 1] === '*') {
+            const end = source.indexOf('*/', j + 2);
+            j = end < 0 ? n : end + 2;
+          } else if (source[j] === '/' && source[j + 1] === '/') {
+            while (j < n && source[j] !== '\n') j++;
+          } else break;
+        }
+        if (source[j] === '(') {
+          out.push(source.slice(last, start), DYNAMIC_IMPORT);
+          last = i;
+        }
+      }
+      valueBefore = VALUE_KEYWORDS.has(word) || !/^(return|typeof|instanceof|in|of|new|delete|void|throw|case|do|else|yield|await)$/.test(word);
+    } else if (c >= '0' && c <= '9') {
+      while (i < n && ID_PART.test(source[i])) i++;
+      valueBefore = true;
+    } else if (c === '{') {
+      depth++;
+      i++;
+      valueBefore = false;
+    } else if (c === '}') {
+      i++;
+      if (templates.length > 0 && templates[templates.length - 1] === depth - 1) {
+        templates.pop();
+        depth--;
+        skipTemplate();
+        valueBefore = true;
+      } else {
+        depth--;
+        valueBefore = false;
+      }
+    } else if (c === ')' || c === ']') {
+      i++;
+      valueBefore = true;
+    } else if (/\s/.test(c)) {
+      i++;
+    } else {
+      i++;
+      valueBefore = false;
+    }
+  }
+  if (last === 0) return source;
+  out.push(source.slice(last));
+  return out.join('');
+}
+
+function compileErrorText(error) {
+  // "SyntaxError: Unexpected token ';' [exec_main.mjs:1:9]" -> keep the engine's text and place.
+  const message = String((error && error.message) || error);
+  const name = error && typeof error.name === 'string' ? error.name : 'SyntaxError';
+  const text = message.startsWith(name) ? message : `${name}: ${message}`;
+  return text.replace(/ \[exec_main\.mjs:(\d+):(\d+)\]$/, ' (exec_main.mjs:$1:$2)');
+}
+
+function terminate(id) {
+  const cell = cells.get(id);
+  if (cell === undefined) {
+    send({ t: 'exited', cell: id, reason: 'stopped' });
+    return;
+  }
+  cell.stopping = true;
+  cell.exit('stopped');
 }
 
 // -- inbound -------------------------------------------------------------------------------------
 function onBatch(batch) {
-  const results = new Map(); // worker -> [[call, ok, value]]
   for (const message of batch) {
     switch (message.t) {
       case 'results': {
-        const worker = cells.get(message.cell);
-        if (worker === undefined || worker.stopping) break; // late: the cell is gone
-        let list = results.get(worker);
-        if (list === undefined) results.set(worker, (list = []));
-        for (const entry of message.r) list.push(entry);
+        const cell = cells.get(message.cell);
+        if (cell === undefined || cell.stopping) break; // late: the cell is gone
+        cell.enter('deliver', JSON.stringify(message.r));
         break;
       }
       case 'exec':
         exec(message);
         break;
-      case 'terminate': {
-        const worker = cells.get(message.cell);
-        if (worker === undefined) {
-          send({ t: 'exited', cell: message.cell, reason: 'stopped' });
-        } else if (!worker.stopping) {
-          worker.stopping = true;
-          worker.terminate();
-        }
-        break;
-      }
-      case 'pool':
-        poolSize.set(keyOf(message.heap), message.size);
-        refill(message.heap);
+      case 'terminate':
+        terminate(message.cell);
         break;
       default:
         console.error(`codemode engine host: unknown message ${message.t}`);
     }
   }
-  for (const [worker, list] of results) {
-    worker.postMessage([{ t: 'results', json: JSON.stringify(list) }]);
-  }
 }
 
-let buffer = Buffer.alloc(0);
+// Input frames are reassembled from a list of chunks: one copy per frame, not one per chunk.
+let chunks = [];
+let buffered = 0;
+let wanted = -1; // size of the frame being read, or -1 while its header is incomplete
+
+function take(size) {
+  const out = chunks.length === 1 && chunks[0].length === size ? chunks[0] : Buffer.concat(chunks, buffered);
+  const head = out.subarray(0, size);
+  const rest = out.subarray(size);
+  chunks = rest.length > 0 ? [rest] : [];
+  buffered = rest.length;
+  return head;
+}
+
 process.stdin.on('data', (chunk) => {
-  buffer = buffer.length === 0 ? chunk : Buffer.concat([buffer, chunk]);
-  let offset = 0;
-  while (buffer.length - offset >= 4) {
-    const size = buffer.readUInt32LE(offset);
-    if (buffer.length - offset - 4 < size) break;
-    onBatch(JSON.parse(buffer.toString('utf8', offset + 4, offset + 4 + size)));
-    offset += 4 + size;
+  chunks.push(chunk);
+  buffered += chunk.length;
+  for (;;) {
+    if (wanted < 0) {
+      if (buffered < 4) return;
+      wanted = take(4).readUInt32LE(0);
+    }
+    if (buffered < wanted) return;
+    const body = take(wanted);
+    wanted = -1;
+    onBatch(JSON.parse(body.toString('utf8')));
   }
-  buffer = offset === buffer.length ? Buffer.alloc(0) : buffer.subarray(offset);
 });
 // The runtime went away: nothing is left to serve.
-process.stdin.on('end', () => process.exit(0));
+process.stdin.on('end', () => {
+  flush();
+  process.exit(0);
+});
 
 send({ t: 'ready' });

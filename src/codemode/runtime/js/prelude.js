@@ -1,11 +1,14 @@
 // The code-mode prelude: the JavaScript API a cell sees (runtime.md §3-§12).
 //
-// worker.js evaluates this file inside the cell's fresh vm context and calls the function it
-// yields with `host`, a small set of functions from the worker's realm. Only primitives cross
-// between the two realms: `host` is captured in this closure and never exposed to cell code, and
-// everything the worker hands in (tool results, configuration, the store snapshot) arrives as
-// JSON text parsed here, so no outer-realm object (and no outer `Function`) is reachable.
-(function installPrelude(host) {
+// host.js evaluates this file in the cell's own bare V8 isolate (isolated-vm), before any cell
+// code, and calls the function it yields with seven host callbacks. The callbacks copy their
+// primitive arguments to the host and return nothing, so no object of the host ever exists in
+// here; the function returns `entry`, the host's only way in (configure, run, deliver results,
+// fire timers). Everything this file relies on is captured before cell code runs, and every
+// argument a cell passes is read once, so overriding built-ins or passing getters and proxies can
+// only change what that cell itself sees.
+(function installPrelude(hostItem, hostCall, hostNotify, hostYield, hostFinish, hostSetTimer,
+  hostClearTimer) {
   'use strict';
 
   const g = globalThis;
@@ -26,14 +29,37 @@
   const trim = (s) => StringOf.prototype.trim.call(s);
   const reTest = (re, s) => RegExp.prototype.test.call(re, s);
   const apply = Reflect.apply;
+  const uncurry = Function.prototype.bind.bind(Function.prototype.call);
+  const mapGet = uncurry(MapCtor.prototype.get);
+  const mapSet = uncurry(MapCtor.prototype.set);
+  const mapHas = uncurry(MapCtor.prototype.has);
+  const mapDelete = uncurry(MapCtor.prototype.delete);
+  const mapEntries = uncurry(MapCtor.prototype.entries);
+  const iteratorNext = uncurry(Object.getPrototypeOf(new MapCtor().entries()).next);
+  const charCodeAt = uncurry(StringOf.prototype.charCodeAt);
+  const codePointAt = uncurry(StringOf.prototype.codePointAt);
+  const toWellFormed = uncurry(StringOf.prototype.toWellFormed);
+  const promiseThen = uncurry(PromiseCtor.prototype.then);
 
   for (const name of ['console', 'Atomics', 'SharedArrayBuffer', 'WebAssembly']) {
     delete g[name];
   }
 
+  // Limits on what one cell sends out (characters, i.e. UTF-16 code units): its output items and
+  // notifications together, and the JSON text of one tool input. Above the carriers' own frame
+  // limits, so that those still answer with their own errors; below what would hurt the host.
+  const MAX_OUTPUT_CHARS = 64 * 1024 * 1024;
+  const MAX_TOOL_INPUT_CHARS = 128 * 1024 * 1024;
+  let outputChars = 0;
+
+  function within(list, value) {
+    for (let i = 0; i < list.length; i++) if (list[i] === value) return true;
+    return false;
+  }
+
   // -- thrown values -> error text (§12) ---------------------------------------------------------
   // Frames of the host's own files say nothing to a model; the cell's frames (exec_main.mjs) stay.
-  const HOST_FRAME = /^\s+at .*(node:internal|codemode[\\/]runtime[\\/]js[\\/]|evalmachine\.<anonymous>)/;
+  const HOST_FRAME = /^\s+at .*codemode-prelude\.js/;
   function cleanStack(stack) {
     const lines = StringOf.prototype.split.call(stack, '\n');
     const kept = [];
@@ -78,23 +104,47 @@
   const timers = new MapCtor(); // timer id -> callback
   let nextCall = 1;
   let nextTimer = 1;
+  const MAX_TIMERS = 10000;
+  const MAX_NOTIFICATIONS = 10000;
+  let notifyBudget = MAX_NOTIFICATIONS;
+
+  // Counts a text against the cell's output limits before it leaves.
+  function charge(text) {
+    const size = text.length;
+    if (outputChars + size > MAX_OUTPUT_CHARS) {
+      throw 'exec cell output exceeds the limit of ' + MAX_OUTPUT_CHARS + ' characters';
+    }
+    outputChars += size;
+  }
 
   // Items cross as primitives: (type, text or URL, detail).
   function emit(type, value, detail) {
-    if (!finished) host.item(type, value, detail);
+    if (finished) return;
+    charge(value);
+    hostItem(type, toWellFormed(value), detail);
   }
 
   function writesJson() {
-    const pairs = [];
-    for (const [key, text] of written) pairs.push([key, text]);
-    return stringify(pairs);
+    let out = '[';
+    const entries = mapEntries(written);
+    for (let step = iteratorNext(entries); !step.done; step = iteratorNext(entries)) {
+      if (out.length > 1) out += ',';
+      out += '[' + stringify(toWellFormed(step.value[0])) + ',' + toWellFormed(step.value[1]) + ']';
+    }
+    return out + ']';
   }
 
   // Ends the cell now as a natural completion; nothing of the cell runs afterwards.
   function finish(errorTextOrNull) {
     if (finished) return;
     finished = true;
-    host.finish(errorTextOrNull, writesJson());
+    let writes;
+    try {
+      writes = writesJson();
+    } catch (error) {
+      writes = '[]';
+    }
+    hostFinish(errorTextOrNull === null ? null : toWellFormed(StringOf(errorTextOrNull)), writes);
   }
 
   // -- output helpers (§5) -----------------------------------------------------------------------
@@ -129,7 +179,7 @@
     if (detail === undefined || detail === null) return undefined;
     if (typeof detail !== 'string') throw 'image detail must be a string when provided';
     const lowered = toLower(detail);
-    if (!DETAILS.includes(lowered)) throw 'image detail must be one of: auto, low, high, original';
+    if (!within(DETAILS, lowered)) throw 'image detail must be one of: auto, low, high, original';
     return lowered;
   }
 
@@ -148,7 +198,7 @@
       url = mcpDataUrl(value, 'image expected MCP image data');
       const meta = value._meta;
       const hinted = isPlainObject(meta) ? meta['codex/imageDetail'] : undefined;
-      if (typeof hinted === 'string' && DETAILS.includes(hinted)) metaDetail = hinted;
+      if (typeof hinted === 'string' && within(DETAILS, hinted)) metaDetail = hinted;
     } else {
       throw IMAGE_ANY;
     }
@@ -201,10 +251,64 @@
       throw 'Tool call failed: invalid audio output. Pass a base64 data URI instead';
     }
     const match = BASE64_DATA_URL.exec(url);
-    if (match !== null && host.isShortWav(StringOf.prototype.slice.call(url, match[0].length))) {
+    if (match !== null && isShortWav(url, match[0].length)) {
       emit('input_text', SHORT_AUDIO);
     } else {
       emit('input_audio', url);
+    }
+  }
+
+  // WAV clip shorter than 25 ms? (runtime.md §5.5) Reads the base64 text in place (a byte at a
+  // time, only where the RIFF chunk headers are); not measurable -> false (keep the audio).
+  const B64 = 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/';
+  function sextet(code) {
+    if (code >= 65 && code <= 90) return code - 65;
+    if (code >= 97 && code <= 122) return code - 71;
+    if (code >= 48 && code <= 57) return code + 4;
+    if (code === 43 || code === 45) return 62;
+    if (code === 47 || code === 95) return 63;
+    return -1;
+  }
+  function isShortWav(url, start) {
+    let end = url.length;
+    while (end > start && charCodeAt(url, end - 1) === 61) end--; // '=' padding
+    const total = Math.floor(((end - start) * 3) / 4);
+    const byteAt = (index) => {
+      const group = start + Math.floor(index / 3) * 4;
+      let bits = 0;
+      for (let k = 0; k < 4; k++) {
+        const at = group + k;
+        const value = at < end ? sextet(charCodeAt(url, at)) : 0;
+        if (value < 0) throw 0;
+        bits = bits * 64 + value;
+      }
+      return Math.floor(bits / 2 ** (8 * (2 - (index % 3)))) % 256;
+    };
+    const u32 = (i) => byteAt(i) + byteAt(i + 1) * 256 + byteAt(i + 2) * 65536 + byteAt(i + 3) * 16777216;
+    const u16 = (i) => byteAt(i) + byteAt(i + 1) * 256;
+    const tag = (i) => StringOf.fromCharCode(byteAt(i), byteAt(i + 1), byteAt(i + 2), byteAt(i + 3));
+    try {
+      if (total < 12 || tag(0) !== 'RIFF' || tag(8) !== 'WAVE') return false;
+      let offset = 12;
+      let rate = 0;
+      let align = 0;
+      let usable = -1;
+      while (offset + 8 <= total) {
+        const id = tag(offset);
+        const size = u32(offset + 4);
+        const body = offset + 8;
+        if (id === 'fmt ' && body + 14 <= total) {
+          rate = u32(body + 4);
+          align = u16(body + 12);
+        } else if (id === 'data') {
+          usable = Math.min(size, total - body);
+        }
+        offset = body + size + (size % 2);
+      }
+      if (usable < 0 || rate === 0 || align === 0) return false;
+      return Math.floor(usable / align) * 40 < rate;
+    } catch (error) {
+      return false;
     }
   }
 
@@ -218,8 +322,10 @@
 
   function debugQuote(key) {
     let out = '"';
-    for (const ch of key) {
-      const code = ch.codePointAt(0);
+    for (let i = 0; i < key.length; i++) {
+      const code = codePointAt(key, i);
+      const ch = StringOf.fromCodePoint(code);
+      if (code > 0xffff) i++;
       if (ch === '"') out += '\\"';
       else if (ch === '\\') out += '\\\\';
       else if (ch === '\t') out += '\\t';
@@ -233,7 +339,7 @@
   }
 
   function rejectReserved(key, value) {
-    if (RESERVED_KEYS.includes(key) && this !== null && typeof this === 'object' && !isArray(this)) {
+    if (within(RESERVED_KEYS, key) && this !== null && typeof this === 'object' && !isArray(this)) {
       throw RESERVED;
     }
     return value;
@@ -252,12 +358,12 @@
       throw 'Unable to store ' + debugQuote(name) + '. Only plain serializable objects can be stored.';
     }
     if (finished) return;
-    stored.set(name, serialized);
-    written.set(name, serialized);
+    mapSet(stored, name, serialized);
+    mapSet(written, name, serialized);
   }
 
   function load(key) {
-    const serialized = stored.get(`${key}`);
+    const serialized = mapGet(stored, `${key}`);
     return serialized === undefined ? undefined : parse(serialized);
   }
 
@@ -265,16 +371,23 @@
   function notify(value) {
     const message = valueToText(value);
     if (trim(message) === '') throw 'notify expects non-empty text';
-    if (!finished) host.notify(message);
+    if (finished) return;
+    if (notifyBudget <= 0) throw 'notify exceeded the limit of ' + MAX_NOTIFICATIONS + ' notifications per cell';
+    notifyBudget--;
+    charge(message);
+    hostNotify(toWellFormed(message));
   }
 
   function yield_control() {
-    if (!finished) host.yieldControl();
+    if (!finished) hostYield(turn);
   }
 
+  // Nothing of the cell is observable after exit(): the host disposes the isolate on `finish`, and
+  // until then every helper is a no-op. The throw unwinds whatever the cell was doing.
+  const EXIT = {};
   function exit() {
     finish(null);
-    host.stop(); // never returns: the cell's thread ends here
+    throw EXIT;
   }
 
   // -- timers (§10) ------------------------------------------------------------------------------
@@ -283,8 +396,10 @@
     let ms = NumberOf(delay);
     ms = !isFiniteNumber(ms) || ms <= 0 ? 0 : trunc(ms);
     const id = nextTimer++;
-    timers.set(id, callback);
-    if (!finished) host.setTimer(id, ms);
+    if (finished) return id;
+    if (timers.size >= MAX_TIMERS) throw 'setTimeout exceeded the limit of ' + MAX_TIMERS + ' pending timers';
+    mapSet(timers, id, callback);
+    hostSetTimer(id, ms);
     return id;
   }
 
@@ -294,7 +409,7 @@
     if (number !== number) throw 'clearTimeout expects a numeric timeout id';
     if (!isFiniteNumber(number) || number <= 0) return;
     const key = trunc(number);
-    if (timers.delete(key)) host.clearTimer(key);
+    if (mapDelete(timers, key)) hostClearTimer(key);
   }
 
   // -- tools (§4) --------------------------------------------------------------------------------
@@ -302,11 +417,14 @@
     return function (...args) {
       // JSON round trip of the argument; a throw here happens before any promise exists.
       const input = args.length === 0 ? undefined : stringify(args[0]);
+      if (input !== undefined && input.length > MAX_TOOL_INPUT_CHARS) {
+        throw 'tool input of ' + input.length + ' characters exceeds the limit of ' + MAX_TOOL_INPUT_CHARS + ' characters';
+      }
       const id = 'tool-' + nextCall++;
       return new PromiseCtor((resolve, reject) => {
         if (finished) return;
-        pendingCalls.set(id, [resolve, reject]);
-        host.call(id, index, input === undefined ? null : input);
+        mapSet(pendingCalls, id, [resolve, reject]);
+        hostCall(id, index, input === undefined ? null : toWellFormed(input));
       });
     };
   }
@@ -315,64 +433,91 @@
     defineProperty(g, name, { value, writable: true, configurable: true, enumerable: false });
   }
 
-  // -- the worker's handle on this cell -------------------------------------------------------------
-  return freeze({
-    // configJson: {"tools": [[identifier, index], ...], "all": [{name, description}], "store": [[key, json], ...] | null}
-    configure(configJson) {
-      const config = parse(configJson);
-      const tools = {};
-      for (const [identifier, index] of config.tools) {
-        if (!hasOwn(tools, identifier)) tools[identifier] = makeTool(index);
-      }
-      install('tools', tools);
-      install('ALL_TOOLS', config.all);
-      install('text', text);
-      install('image', image);
-      install('generatedImage', generatedImage);
-      install('audio', audio);
-      install('notify', notify);
-      install('yield_control', yield_control);
-      install('exit', exit);
-      install('setTimeout', setTimeout);
-      install('clearTimeout', clearTimeout);
-      if (config.store !== null) {
-        for (const [key, serialized] of config.store) stored.set(key, serialized);
-        install('store', store);
-        install('load', load);
-      }
-    },
-    // resultsJson: [[runtime tool call id, ok, value or error text], ...]
-    deliver(resultsJson) {
-      if (finished) return;
-      for (const [id, ok, value] of parse(resultsJson)) {
-        const pending = pendingCalls.get(id);
-        if (pending === undefined) continue;
-        pendingCalls.delete(id);
-        if (ok) pending[0](value);
-        else pending[1](StringOf(value));
-      }
-    },
-    fireTimer(id) {
-      const callback = timers.get(id);
-      if (callback === undefined || finished) return;
-      timers.delete(id);
-      try {
-        apply(callback, undefined, []);
-      } catch (error) {
-        finish(errorText(error));
-        host.stop();
-      }
-    },
-    complete(errorTextOrNull) {
-      finish(errorTextOrNull);
-    },
-    errorText,
-    compileErrorText(error) {
-      try {
-        return StringOf(error.name) + ': ' + StringOf(error.message);
-      } catch (ignored) {
-        return errorText(error);
-      }
-    },
-  });
+  // -- the host's way in ---------------------------------------------------------------------------
+  // `turn` counts the host's entries into the isolate: two yield_control() calls in one
+  // uninterrupted run of the cell share a turn (decision 0004).
+  let turn = 0;
+
+  function configure(configJson) {
+    const config = parse(configJson);
+    const tools = {};
+    for (const [identifier, index] of config.tools) {
+      if (!hasOwn(tools, identifier)) tools[identifier] = makeTool(index);
+    }
+    install('tools', tools);
+    install('ALL_TOOLS', config.all);
+    install('text', text);
+    install('image', image);
+    install('generatedImage', generatedImage);
+    install('audio', audio);
+    install('notify', notify);
+    install('yield_control', yield_control);
+    install('exit', exit);
+    install('setTimeout', setTimeout);
+    install('clearTimeout', clearTimeout);
+    // Every dynamic import() of the cell is renamed to this (host.js, renameDynamicImports).
+    defineProperty(g, '$imprt', {
+      value: () => PromiseCtor.reject('unsupported import in exec'),
+      writable: false,
+      configurable: false,
+      enumerable: false,
+    });
+    if (config.store !== null) {
+      for (const [key, serialized] of config.store) mapSet(stored, key, serialized);
+      install('store', store);
+      install('load', load);
+    }
+  }
+
+  function run(cell) {
+    const settled = (error) => finish(error);
+    let promise;
+    try {
+      promise = apply(cell, undefined, []);
+    } catch (error) {
+      if (error !== EXIT) finish(errorText(error));
+      return;
+    }
+    promiseThen(promise, () => settled(null), (error) => {
+      if (error !== EXIT) settled(errorText(error));
+    });
+  }
+
+  // resultsJson: [[runtime tool call id, ok, value or error text], ...]
+  function deliver(resultsJson) {
+    if (finished) return;
+    const results = parse(resultsJson);
+    for (let i = 0; i < results.length; i++) {
+      const [id, ok, value] = results[i];
+      const pending = mapGet(pendingCalls, id);
+      if (pending === undefined) continue;
+      mapDelete(pendingCalls, id);
+      if (ok) pending[0](value);
+      else pending[1](StringOf(value));
+    }
+  }
+
+  function fireTimer(id) {
+    const callback = mapGet(timers, id);
+    if (callback === undefined || finished) return;
+    mapDelete(timers, id);
+    try {
+      apply(callback, undefined, []);
+    } catch (error) {
+      if (error !== EXIT) finish(errorText(error));
+    }
+  }
+
+  return function entry(kind, a) {
+    if (kind === 'configure') configure(a);
+    else if (kind === 'run') run(a);
+    else if (kind === 'fail') finish(a);
+    else if (kind === 'deliver') {
+      turn += 1;
+      deliver(a);
+    } else if (kind === 'timer') {
+      turn += 1;
+      fireTimer(a);
+    }
+  };
 });

