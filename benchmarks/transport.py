@@ -5,7 +5,8 @@ one Markdown table. Three ways of serving the same cells, measured interleaved i
 
 * **stdio session**: :class:`ProcessOwnedCodeModeSessionProvider` (``python -m codemode host
   --stdio`` as a child, Protocol V1 on its stdin/stdout);
-* **embedded session**: :class:`LocalSessionProvider` in this process (same engine, no V1 hop);
+* **embedded session**: :class:`LocalSessionProvider` in this process (an engine process of its
+  own per session, as the host gives its sessions; no V1 hop);
 * **raw framed echo**: a tiny blocking Python child that reads length-prefixed frames from stdin
   and writes them back, driven from here by an asyncio subprocess with :func:`encode_frame` and
   :class:`FrameDecoder` (typed decode, like the client). The frame is the ``delegate/request`` the
@@ -53,7 +54,7 @@ from codemode.protocol import (
 from codemode.protocol.v1 import NEED_DATA, FrameDecoder, MessageDecoder, encode_frame
 from codemode.protocol.v1.conversions import nested_tool_call_to_wire
 from codemode.protocol.v1.messages import DelegateRequestMessage, HostToClient, ToolInvoke
-from codemode.runtime import LocalSessionProvider
+from codemode.runtime import LocalSession, LocalSessionProvider
 
 T = TypeVar("T")
 
@@ -500,8 +501,8 @@ async def open_served(
         loop_source("seq", "tools.echo", 2, 1, SETTLE_MS)
     )  # the engine is up and has run a cell
     if isinstance(provider, LocalSessionProvider):
-        transport = provider.engine._transport
-        served.pids = [] if transport is None else [transport.get_pid()]
+        engine = session.engine if isinstance(session, LocalSession) else None
+        served.pids = [] if engine is None or engine.pid is None else [engine.pid]
     else:
         host = provider.host
         assert host is not None

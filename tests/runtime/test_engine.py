@@ -190,3 +190,16 @@ async def test_a_shared_engine_serves_every_session() -> None:
         await run(shared, "text(1)", first)
         await run(shared, "text(1)", second)
         assert engine_pid(first) == engine_pid(second)
+
+
+async def test_a_heap_bomb_of_small_arrays_is_stopped_and_the_session_goes_on(
+    provider: LocalSessionProvider,
+) -> None:
+    session = await provider.create_session_with_limits(
+        CodeModeSessionDelegate(), CodeModeSessionCellExecutionLimits(max_heap_size_bytes=32 << 20)
+    )
+    result = await asyncio.wait_for(
+        run(provider, "const a = []; while (true) a.push(new Array(1000).fill(1));", session), 10
+    )
+    assert result.error_text == "exec cell exceeded the heap limit of 33554432 bytes"
+    assert (await run(provider, 'text("next")', session)).content_items == [InputText("next")]

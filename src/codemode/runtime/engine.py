@@ -94,6 +94,10 @@ class _Ready(_Message, tag="ready"):
     pass
 
 
+class _Exiting(_Message, tag="exiting"):
+    pass
+
+
 class _Started(_Message, tag="started"):
     cell: int
 
@@ -134,7 +138,7 @@ class _Exited(_Message, tag="exited"):
     detail: str | None = None
 
 
-_EngineMessage = _Ready | _Started | _Item | _Call | _Notify | _Yield | _Done | _Exited
+_EngineMessage = _Ready | _Exiting | _Started | _Item | _Call | _Notify | _Yield | _Done | _Exited
 _BATCH: Final = msgspec.json.Decoder(list[_EngineMessage])
 _WRITES: Final = msgspec.json.Decoder(list[tuple[str, msgspec.Raw]])
 
@@ -228,6 +232,9 @@ class NodeEngine:
         self._exit_reason = "the JavaScript engine process exited"
         self._exit_kind = "crashed"
         self._watchdog: asyncio.TimerHandle | None = None
+        self._exiting = False  # the child said it is about to exit
+        self._gone = asyncio.Event()  # set while no child process exists
+        self._gone.set()
         #: The confinement layers applied to the engine process (set when it starts).
         self.confinement: ConfinementReport | None = None
 
@@ -236,7 +243,12 @@ class NodeEngine:
     @property
     def running(self) -> bool:
         """True while the Node child is up and ready."""
-        return self._ready is not None and self._ready.done() and self._transport is not None
+        return (
+            self._ready is not None
+            and self._ready.done()
+            and self._transport is not None
+            and not self._exiting
+        )
 
     @property
     def pid(self) -> int | None:
@@ -259,6 +271,7 @@ class NodeEngine:
         async with self._starting:
             if self.running:
                 return
+            await self._gone.wait()  # a child that announced its exit is not replaced too early
             await self._spawn()
 
     async def _spawn(self) -> None:
@@ -289,6 +302,7 @@ class NodeEngine:
         self._ready = loop.create_future()
         self._exit_reason = "the JavaScript engine process exited"
         self._exit_kind = "crashed"
+        self._exiting = False
         try:
             transport, _ = await loop.subprocess_exec(
                 lambda: _HostProtocol(self),
@@ -304,6 +318,7 @@ class NodeEngine:
             self._ready = None
             raise CodeModeError(f"failed to start the JavaScript engine {node}: {error}") from None
         self._transport = transport
+        self._gone.clear()
         stdin = transport.get_pipe_transport(0)
         assert isinstance(stdin, asyncio.WriteTransport)
         self._stdin = stdin
@@ -313,6 +328,7 @@ class NodeEngine:
             transport.kill()
             self._transport = None
             self._ready = None
+            self._gone.set()
             raise CodeModeError("the JavaScript engine did not start") from None
 
     async def aclose(self) -> None:
@@ -371,6 +387,7 @@ class NodeEngine:
         transport, self._transport = self._transport, None
         if transport is not None:
             transport.close()
+        self._gone.set()
         self._stdin = None
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(CodeModeError("the JavaScript engine exited during start-up"))
@@ -446,6 +463,9 @@ class NodeEngine:
             if isinstance(message, _Ready):
                 if self._ready is not None and not self._ready.done():
                     self._ready.set_result(None)
+                continue
+            if isinstance(message, _Exiting):
+                self._exiting = True
                 continue
             events = cells.get(message.cell)
             if events is None:

@@ -119,9 +119,9 @@ class EnginePool:
         """Stop the idle engines (engines handed out belong to their sessions)."""
         self._closed = True
         if self._refill is not None:
-            self._refill.cancel()
+            # Not cancelled: an engine cancelled half-way through its start would leak its child.
             with contextlib.suppress(BaseException):
-                await self._refill
+                await asyncio.wait_for(asyncio.shield(self._refill), 30)
         ready, self._ready = self._ready, []
         await asyncio.gather(*(engine.aclose() for engine in ready))
 

@@ -19,6 +19,7 @@
 //
 // Host -> Python (every string is well-formed UTF-16: lone surrogates become U+FFFD)
 //   {t:'ready'}                                   the host is up
+//   {t:'exiting'}                                 the host is about to exit (a runaway isolate)
 //   {t:'started', cell}                           compiled; evaluation begins
 //   {t:'item', cell, type, value, detail}         a content item (text or URL, image detail)
 //   {t:'call', cell, id, tool:int, input:str|null}
@@ -69,13 +70,15 @@ let flushQueued = false;
 function flush() {
   flushQueued = false;
   if (outbox.length === 0) return;
-  const body = Buffer.from(JSON.stringify(outbox), 'utf8');
+  const json = JSON.stringify(outbox);
   outbox = [];
   outboxBytes = 0;
-  const head = Buffer.allocUnsafe(4);
-  head.writeUInt32LE(body.length, 0);
-  process.stdout.write(head);
-  process.stdout.write(body);
+  // One write per frame: the reader wakes once, not once for the header and once for the body.
+  const size = Buffer.byteLength(json, 'utf8');
+  const frame = Buffer.allocUnsafe(4 + size);
+  frame.writeUInt32LE(size, 0);
+  frame.write(json, 4, 'utf8');
+  process.stdout.write(frame);
 }
 
 function send(message, bytes) {
@@ -125,6 +128,9 @@ class Cell {
   failed(error) {
     if (this.gone) return;
     const message = String((error && error.message) || error);
+    // isolated-vm reports a rejection nobody handled inside the isolate as the entry's error;
+    // runtime.md ignores those. Only a dead isolate ends the cell here.
+    if (this.isolate !== null && !this.isolate.isDisposed && !/memory limit/i.test(message)) return;
     if (/memory limit/i.test(message)) this.exit('oom');
     else if (this.stopping || this.finished) this.exit('stopped');
     else this.exit('crashed', message);
@@ -397,6 +403,27 @@ function terminate(id) {
   cell.stopping = true;
   cell.exit('stopped');
 }
+
+// -- runaway isolates ----------------------------------------------------------------------------
+// isolated-vm disposes an isolate that passes its memory limit, but some allocation patterns keep
+// its thread running (and allocating) in the disposed isolate, where nothing can stop it. Such a
+// cell is reported as over its heap limit, then this process ends: only a new process stops that
+// thread (the session's next cell gets a fresh engine).
+const RUNAWAY_CHECK_MS = 50;
+setInterval(() => {
+  for (const cell of cells.values()) {
+    if (cell.gone || cell.isolate === null || !cell.isolate.isDisposed) continue;
+    if (!cell.disposedSeen) {
+      cell.disposedSeen = true; // give the normal path (a rejected entry) one tick to report
+      continue;
+    }
+    cell.exit('oom');
+    send({ t: 'exiting' });
+    flush();
+    console.error('codemode engine host: a disposed isolate kept running; exiting');
+    process.exit(70);
+  }
+}, RUNAWAY_CHECK_MS).unref();
 
 // -- inbound -------------------------------------------------------------------------------------
 function onBatch(batch) {
