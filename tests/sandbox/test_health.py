@@ -67,12 +67,16 @@ class GatedDelegate(RecordingDelegate):
     """``echo`` answers ``stop: true`` once ``stop`` is set; every call's time is recorded."""
 
     stop: bool = False
+    #: Seconds each ``echo`` takes (keeps many calls pending at once).
+    echo_delay: float = 0.0
     stamps: list[float] = field(default_factory=list)
 
     async def invoke_tool(
         self, invocation: CodeModeNestedToolCall, cancellation: CancellationToken
     ) -> JSON:
         self.stamps.append(time.monotonic())
+        if self.echo_delay and invocation.tool_name.name == "echo":
+            await asyncio.sleep(self.echo_delay)
         result = await super().invoke_tool(invocation, cancellation)
         if invocation.tool_name.name == "echo" and isinstance(result, dict):
             return {**result, "stop": self.stop}
@@ -131,7 +135,9 @@ class Bystander:
                 assert isinstance(waited.response, Yielded), waited.response
 
         result = await asyncio.wait_for(outcome(), AFTERWARDS)
-        assert result.error_text is None, result.error_text
+        assert result.error_text is None, (
+            f"the bystander's running cell failed: {result.error_text}"
+        )
         (line,) = texts(result)
         assert line.startswith("bystander done after "), line
 
@@ -193,6 +199,8 @@ class Hostile:
     timeout: float = 15.0
     #: A second cell in A after the hostile one; it must complete without error.
     after: str | None = None
+    #: Seconds each of A's ``echo`` calls takes.
+    echo_delay: float = 0.0
 
 
 HEAP_16 = 16 * MIB
@@ -298,10 +306,13 @@ SLOW_CASES: dict[str, Hostile] = {
         heap=HEAP_16,
         timeout=30,
     ),
+    # Each echo takes 0.3 s, so all 5,000 are pending at once: a carrier that caps pending calls
+    # may refuse some of A's, never B's.
     "parallel_tool_calls_5000": Hostile(
         "const rs = await Promise.allSettled(Array.from({length: 5000}, (_, i) => tools.echo({i})));\n"
         "text(rs.filter((r) => r.status === 'fulfilled').length + '/' + rs.length)",
         ends_with_line("/5000"),
+        echo_delay=0.3,
     ),
     "notifications_10000": Hostile(
         "for (let i = 0; i < 10000; i++) notify('n' + i);\ntext('sent')",
@@ -337,7 +348,7 @@ async def test_hostile_cell_leaves_other_sessions_alone(
 ) -> None:
     bystander = await Bystander.start(harness)
     limits = CodeModeSessionCellExecutionLimits(max_heap_size_bytes=case.heap)
-    delegate = RecordingDelegate()
+    delegate = GatedDelegate(echo_delay=case.echo_delay)
     session = await harness.session(delegate, limits=limits)
 
     began = time.monotonic()
