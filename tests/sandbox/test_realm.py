@@ -697,6 +697,8 @@ OVERRIDES: dict[str, tuple[str, list[str]]] = {
     "typed_arrays": ("Uint8Array.prototype", words("set subarray slice")),
     "text_codecs": ("ArrayBuffer.prototype", words("slice")),
     "symbol": ("Symbol", words("for keyFor")),
+    # The runtime's own globals, read back by whatever looks them up after the cell changed them.
+    "installed_globals": ("globalThis", [*HELPERS, "tools", "ALL_TOOLS"]),
 }
 
 
@@ -713,6 +715,25 @@ async def test_overridden_builtins(harness: Harness, canary: Canary, group: str)
         _override_source(target, keys)
         + "try { await __exercise(); } catch (e) { __harvest(e); }\n"
         + "__restore();\n"
+    )
+    await probe(harness, canary, body)
+
+
+async def test_installed_globals_replaced_by_proxies(harness: Harness, canary: Canary) -> None:
+    # The cell swaps every installed global for a spying Proxy of itself, then uses them all.
+    body = (
+        "const originals = {};\n"
+        f"for (const name of [...{js(HELPERS)}, 'tools', 'ALL_TOOLS']) {{\n"
+        "  const value = globalThis[name];\n"
+        "  if (value === undefined) continue;\n"
+        "  originals[name] = value;\n"
+        "  globalThis[name] = new Proxy(value, __spyHandler());\n"
+        "}\n"
+        "tools.echo = new Proxy(originals.tools.echo, __spyHandler());\n"
+        "try { await __exercise(); } catch (e) { __harvest(e); }\n"
+        "try { await import('fs'); } catch (e) { __harvest(e); }\n"
+        "await new Promise((resolve) => setTimeout(resolve, 5));\n"
+        "for (const name of Object.keys(originals)) globalThis[name] = originals[name];\n"
     )
     await probe(harness, canary, body)
 

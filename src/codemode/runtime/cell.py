@@ -50,9 +50,12 @@ logger = logging.getLogger("codemode.runtime")
 #: How long terminate waits for the engine to confirm that the isolate stopped.
 STOP_TIMEOUT: Final = 2.0
 _DECODER: Final = msgspec.json.Decoder()
-#: The most output (characters) a cell may have buffered for its next observer; the prelude
-#: enforces the same bound inside the isolate, this one holds even if the engine lies.
-MAX_BUFFERED_OUTPUT_CHARS: Final = 64 * 1024 * 1024
+#: The most output (characters) a cell may have buffered for its next observer: past it the cell
+#: ends with an error that keeps what it buffered. Small enough that the observation fits a V1
+#: frame in the common case; the prelude's own bound (64 Mi over a cell's life) is the engine's.
+MAX_BUFFERED_OUTPUT_CHARS: Final = 16 * 1024 * 1024
+#: Error texts longer than this are cut (a cell can throw a string of any size).
+MAX_ERROR_TEXT_CHARS: Final = 1024 * 1024
 PENDING_LIMIT_TEXT: Final = (
     f"code-mode host exceeded the limit of {MAX_PENDING_DELEGATE_CALLS} pending delegate calls"
 )
@@ -302,6 +305,11 @@ class Cell:
             logger.warning("failed to deliver code mode notification: %s", error)
 
     def on_done(self, error: str | None, writes: list[tuple[str, str]]) -> None:
+        if error is not None and len(error) > MAX_ERROR_TEXT_CHARS:
+            error = (
+                error[:MAX_ERROR_TEXT_CHARS]
+                + f"\n… (error text cut: {len(error)} characters in all)"
+            )
         if self._state is _State.RUNNING:
             self._state = _State.FINISHING
             self._finishing = asyncio.ensure_future(self._finish(error, writes, natural=True))

@@ -30,6 +30,7 @@ from codemode.protocol.types import (
 from codemode.protocol.v1.codec import encode_payload
 from codemode.protocol.v1.host_state import (
     CANCELLED,
+    SESSION_CALLBACK_RESERVE,
     CancelOperation,
     HostAction,
     HostConnection,
@@ -862,6 +863,26 @@ def test_the_pending_callback_cap_is_1024() -> None:
     assert sent(state.revoke_callback(7)) == [DelegateCancel(7)]
     assert start_callback(state, "1")[0] == 1026
     assert start_callback(state, "1") == (None, [])
+
+
+def test_a_session_cannot_take_the_slots_other_sessions_keep() -> None:
+    state = host()
+    opened(state, 1, S1)
+    opened(state, 2, S2)
+    finished_cell(state, 3, "1", S1)
+    finished_cell(state, 4, "1", S2)
+    greedy = MAX_PENDING_DELEGATE_CALLS - SESSION_CALLBACK_RESERVE
+    for _ in range(greedy):
+        assert start_callback(state, "1")[0] is not None
+    # S1 reached what S2 leaves it: refused, while S2 still has its reserve.
+    assert start_callback(state, "1") == (None, [])
+    for _ in range(SESSION_CALLBACK_RESERVE):
+        assert start_callback(state, "1", tool("1"), S2)[0] is not None
+    assert state.pending_callbacks == MAX_PENDING_DELEGATE_CALLS
+    assert start_callback(state, "1", tool("1"), S2) == (None, [])
+    # A slot S1 gives back is S1's again; S2's reserve is used, so S2 is not favoured.
+    state.receive(answer(1))
+    assert start_callback(state, "1")[0] is not None
 
 
 def test_early_callbacks_wait_for_execution_started() -> None:

@@ -209,9 +209,15 @@ class _Cell:
     callbacks: set[int] = field(default_factory=set)
 
 
+#: Unresolved-callback slots each session keeps for itself on a shared connection (a decision of
+#: ours within §8.6's per-connection limit; docs/security.md).
+SESSION_CALLBACK_RESERVE: Final = 64
+
+
 @dataclass(slots=True)
 class _Session:
     cells: dict[str, _Cell] = field(default_factory=dict)
+    pending: int = 0  # this session's share of the connection's unresolved callbacks
     shutdown_request: int | None = None
     shut_down: bool = False
 
@@ -347,7 +353,7 @@ class HostConnection:
 
     def _delegate_response(self, message: DelegateResponseMessage) -> list[HostAction]:
         delegate_id = message.id
-        owner = self._callbacks.pop(delegate_id, None)
+        owner = self._release(delegate_id)
         if owner is None:
             if delegate_id in self._revoked:
                 return []  # the client answered a callback we had already revoked
@@ -481,7 +487,7 @@ class HostConnection:
             # Never announced (its execute was cancelled): the client does not know it.
             if cell is not None:
                 for message in cell.early:
-                    self._callbacks.pop(message.id, None)
+                    self._release(message.id)
                 del session.cells[key]
             return self._maybe_session_closed(session_id, session)
         sends = [
@@ -515,14 +521,18 @@ class HostConnection:
         self, session_id: str, cell_id: CellId, request: DelegateRequest
     ) -> tuple[int | None, list[Send]]:
         """Issue a callback to the client; ``None`` when 1,024 are already unresolved."""
-        if len(self._callbacks) >= MAX_PENDING_DELEGATE_CALLS:
+        session = self._sessions.get(session_id)
+        if len(self._callbacks) >= MAX_PENDING_DELEGATE_CALLS - self._reserved_for_others(
+            session_id
+        ):
             return None, []
         delegate_id = self._next_delegate_id
         self._next_delegate_id += 1
         key = str(cell_id)
         self._callbacks[delegate_id] = (session_id, key)
+        if session is not None:
+            session.pending += 1
         message = DelegateRequestMessage(delegate_id, session_id, request)
-        session = self._sessions.get(session_id)
         cell = None if session is None else session.cells.setdefault(key, _Cell())
         if cell is None:
             return delegate_id, [Send(message)]
@@ -532,9 +542,32 @@ class HostConnection:
             return delegate_id, []
         return delegate_id, [Send(message)]
 
+    def _reserved_for_others(self, session_id: str) -> int:
+        """Slots kept free for the other sessions of this connection.
+
+        Sessions sharing a connection share its 1,024-callback budget (§8.6); so that one session's
+        cell cannot use it all up and starve the others' tool calls, every other open session keeps
+        up to ``SESSION_CALLBACK_RESERVE`` slots it is not using. Only near the limit is it summed.
+        """
+        if len(self._callbacks) < MAX_PENDING_DELEGATE_CALLS - SESSION_CALLBACK_RESERVE * len(
+            self._sessions
+        ):
+            return 0
+        return sum(
+            max(0, SESSION_CALLBACK_RESERVE - other.pending)
+            for other_id, other in self._sessions.items()
+            if other_id != session_id and not other.shut_down
+        )
+
+    def _release(self, delegate_id: int) -> tuple[str, str] | None:
+        owner = self._callbacks.pop(delegate_id, None)
+        if owner is not None and (session := self._sessions.get(owner[0])) is not None:
+            session.pending -= 1
+        return owner
+
     def revoke_callback(self, delegate_id: int) -> list[Send]:
         """The host no longer wants callback ``delegate_id``: ``delegate/cancel`` (if it was sent)."""
-        owner = self._callbacks.pop(delegate_id, None)
+        owner = self._release(delegate_id)
         if owner is None:
             return []
         self._revoked.add(delegate_id)
@@ -550,7 +583,7 @@ class HostConnection:
 
     def callback_unsent(self, delegate_id: int) -> list[Send]:
         """A callback could not be sent (too large for a frame): release its slot quietly."""
-        owner = self._callbacks.pop(delegate_id, None)
+        owner = self._release(delegate_id)
         if owner is None:
             return []
         self._revoked.add(delegate_id)

@@ -212,26 +212,65 @@ class Cell {
 // The cell runs as the body of an async function (so the prelude can observe how it ends and
 // turn what it threw into text inside the isolate). The header sits on line 0 so that line and
 // column numbers are those of the source the model wrote.
-const WRAP_HEAD = "(async function () {'use strict';\n";
-const WRAP_TAIL = '\n})';
+// The renamed dynamic imports (see renameDynamicImports) resolve to the wrapper's parameter, not
+// to a global.
+const WRAP_HEAD = "(function ($imprt) { return async function () {'use strict';\n";
+const WRAP_TAIL = '\n}; })';
+
+// A fresh isolate with the prelude installed, made while nothing waits for it: the next cell
+// with the same memory limit takes it (each isolate still serves exactly one cell).
+let spare = null; // { limit, cell }
+
+function prepare(limit) {
+  const cell = new Cell(null);
+  cell.isolate = new ivm.Isolate({ memoryLimit: limit });
+  cell.context = cell.isolate.createContextSync();
+  const prelude = cell.isolate.compileScriptSync(PRELUDE, { filename: 'codemode-prelude.js' });
+  const install = prelude.runSync(cell.context, { reference: true });
+  cell.entry = install.applySync(undefined, cell.callbacks(), { result: { reference: true } });
+  return cell;
+}
+
+function prepareSpare(limit) {
+  if (spare !== null) return;
+  try {
+    spare = { limit, cell: prepare(limit) };
+  } catch (error) {
+    console.error(`codemode engine host: cannot prepare an isolate: ${error && error.message}`);
+  }
+}
+
+function takeIsolate(limit) {
+  if (spare !== null && spare.limit === limit && !spare.cell.isolate.isDisposed) {
+    const cell = spare.cell;
+    spare = null;
+    return cell;
+  }
+  return prepare(limit);
+}
 
 function exec(message) {
-  const cell = new Cell(message.cell);
-  cells.set(cell.id, cell);
   const heap = message.heap;
+  const limit = heap === null || heap === undefined
+    ? Math.max(MIN_ISOLATE_MB, Math.floor(MEMORY_CAP / (1024 * 1024)))
+    : Math.max(MIN_ISOLATE_MB, heap);
+  let cell;
   try {
-    const limit = heap === null || heap === undefined
-      ? Math.max(MIN_ISOLATE_MB, Math.floor(MEMORY_CAP / (1024 * 1024)))
-      : Math.max(MIN_ISOLATE_MB, heap);
-    cell.isolate = new ivm.Isolate({ memoryLimit: limit });
-    const context = cell.isolate.createContextSync();
-    cell.context = context;
-    const prelude = cell.isolate.compileScriptSync(PRELUDE, { filename: 'codemode-prelude.js' });
-    const install = prelude.runSync(context, { reference: true });
-    cell.entry = install.applySync(undefined, cell.callbacks(), { result: { reference: true } });
+    cell = takeIsolate(limit);
+  } catch (error) {
+    cell = new Cell(null);
+    cell.id = message.cell;
+    cell.exit('crashed', `cannot create an isolate: ${error && error.message}`);
+    return;
+  }
+  cell.id = message.cell;
+  cells.set(cell.id, cell);
+  setImmediate(() => prepareSpare(limit));
+  try {
     cell.entry.applySync(undefined, ['configure', message.config], { arguments: { copy: true } });
   } catch (error) {
-    cell.failed(error);
+    cell.exit(/memory limit/i.test(String(error && error.message)) ? 'oom' : 'crashed',
+      String((error && error.message) || error));
     return;
   }
   let error = null;
@@ -268,7 +307,7 @@ function exec(message) {
 
 // V8 in a bare isolate rejects `import(x)` with its own "Not supported" error; cells must see
 // the runtime's text instead. Each dynamic import in the code (not in strings, comments, regular
-// expressions or template text) is renamed to a same-length global the prelude installs, so
+// expressions or template text) is renamed to a same-length parameter of the cell's wrapper, so
 // lines and columns stay those of the source. One linear pass; a `/` is read as the start of a
 // regular expression unless it follows a value.
 const DYNAMIC_IMPORT = '$imprt';

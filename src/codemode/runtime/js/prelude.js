@@ -455,13 +455,6 @@
     install('exit', exit);
     install('setTimeout', setTimeout);
     install('clearTimeout', clearTimeout);
-    // Every dynamic import() of the cell is renamed to this (host.js, renameDynamicImports).
-    defineProperty(g, '$imprt', {
-      value: () => PromiseCtor.reject('unsupported import in exec'),
-      writable: false,
-      configurable: false,
-      enumerable: false,
-    });
     if (config.store !== null) {
       for (const [key, serialized] of config.store) mapSet(stored, key, serialized);
       install('store', store);
@@ -469,11 +462,15 @@
     }
   }
 
-  function run(cell) {
+  // Every dynamic import() of the cell is renamed to a call of this (host.js).
+  const dynamicImport = () => PromiseCtor.reject('unsupported import in exec');
+
+  // `wrapper` takes the dynamic-import function and returns the cell as an async function.
+  function run(wrapper) {
     const settled = (error) => finish(error);
     let promise;
     try {
-      promise = apply(cell, undefined, []);
+      promise = apply(apply(wrapper, undefined, [dynamicImport]), undefined, []);
     } catch (error) {
       if (error !== EXIT) finish(errorText(error));
       return;
