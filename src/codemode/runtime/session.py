@@ -126,6 +126,16 @@ class EnginePool:
         await asyncio.gather(*(engine.aclose() for engine in ready))
 
 
+_closing: set[asyncio.Task[None]] = set()  # strong references until each close is done
+
+
+def _close_in_background(engine: NodeEngine) -> None:
+    task = asyncio.ensure_future(engine.aclose())
+    _closing.add(task)
+    task.add_done_callback(_closing.discard)
+    task.add_done_callback(lambda done: done.cancelled() or done.exception())
+
+
 def _log_failure(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and (error := task.exception()) is not None:
         logger.warning("codemode engine pool: could not start an engine: %s", error)
@@ -188,7 +198,9 @@ class LocalSession(CodeModeSession):
         async with self._taking:
             engine = self.engine
             if engine is not None and isinstance(self._engines, EnginePool) and not engine.running:
-                engine = None  # its process died: this session's next cells get a fresh one
+                # Its process died or is ending: this session's next cells get a fresh one.
+                _close_in_background(engine)
+                engine = None
             if engine is None:
                 assert isinstance(self._engines, EnginePool)
                 engine = self.engine = await self._engines.take()
@@ -260,8 +272,7 @@ class LocalSession(CodeModeSession):
         if self._cells or engine is None or engine.live_cells or self._taking.locked():
             return
         self.engine = None
-        task = asyncio.ensure_future(engine.aclose())
-        task.add_done_callback(lambda done: done.cancelled() or done.exception())
+        _close_in_background(engine)
 
     @staticmethod
     async def _retire(cell: Cell) -> None:
@@ -407,6 +418,10 @@ class LocalSessionProvider(CodeModeSessionProvider):
         sessions, self._sessions = self._sessions, []
         await asyncio.gather(*(session.shutdown() for session in sessions))
         await self.pool.aclose()
+        loop = asyncio.get_running_loop()
+        closing = [task for task in _closing if task.get_loop() is loop]
+        if closing:
+            await asyncio.wait(closing)
         if self.shared_engine is not None:
             await self.shared_engine.aclose()
 

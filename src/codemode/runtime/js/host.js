@@ -109,6 +109,7 @@ class Cell {
     this.finished = false; // `done` was sent
     this.gone = false; // the isolate is disposed and `exited` was sent
     this.stopping = false;
+    this.limit = undefined; // the memory limit (MB) this cell's isolate was made with
   }
 
   // Runs `kind` inside the isolate. A failure here means the isolate died (memory limit,
@@ -143,6 +144,12 @@ class Cell {
     cells.delete(this.id);
     for (const handle of this.timers.values()) clearTimeout(handle);
     this.timers.clear();
+    const message = { t: 'exited', cell: this.id, reason };
+    if (detail !== undefined) message.detail = wellFormed(detail);
+    send(message);
+    // Out first: disposing an isolate takes a millisecond or more, and the cell's end (and its
+    // `done`) should not wait behind it. Nothing runs in between: this is one synchronous turn.
+    flush();
     if (this.isolate !== null && !this.isolate.isDisposed) {
       try {
         this.isolate.dispose();
@@ -150,10 +157,10 @@ class Cell {
         // already gone
       }
     }
-    const message = { t: 'exited', cell: this.id, reason };
-    if (detail !== undefined) message.detail = wellFormed(detail);
-    send(message);
+    const limit = this.limit;
+    if (limit !== undefined) setImmediate(() => prepareSpare(limit));
   }
+
 
   // The callbacks the prelude receives. They run on this thread, in the order the cell made the
   // calls, with copied primitive arguments; anything else is refused here, not trusted.
@@ -220,6 +227,7 @@ const WRAP_TAIL = '\n}; })';
 // A fresh isolate with the prelude installed, made while nothing waits for it: the next cell
 // with the same memory limit takes it (each isolate still serves exactly one cell).
 let spare = null; // { limit, cell }
+const SPARE_DELAY_MS = 20;
 
 function prepare(limit) {
   const cell = new Cell(null);
@@ -264,8 +272,11 @@ function exec(message) {
     return;
   }
   cell.id = message.cell;
+  cell.limit = limit;
   cells.set(cell.id, cell);
-  setImmediate(() => prepareSpare(limit));
+  // Not at once: this thread must be free to forward the cell's first output and its end. The
+  // spare is made when the cell ends, or after a while if it runs on.
+  setTimeout(() => prepareSpare(limit), SPARE_DELAY_MS);
   try {
     cell.entry.applySync(undefined, ['configure', message.config], { arguments: { copy: true } });
   } catch (error) {
