@@ -203,3 +203,22 @@ async def test_a_heap_bomb_of_small_arrays_is_stopped_and_the_session_goes_on(
     )
     assert result.error_text == "exec cell exceeded the heap limit of 33554432 bytes"
     assert (await run(provider, 'text("next")', session)).content_items == [InputText("next")]
+
+
+async def test_required_confinement_that_is_missing_refuses_to_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from codemode.runtime import confinement
+
+    weak = confinement.ConfinementReport(
+        permission_model=True, landlock_abi=0, landlock=False, seccomp=False
+    )
+    monkeypatch.setattr(confinement, "probe", lambda: weak)
+    async with LocalSessionProvider(require_confinement=True, warm_engines=0) as strict:
+        with pytest.raises(confinement.ConfinementError) as caught:
+            await strict.create_session(CodeModeSessionDelegate())
+    assert "landlock-fs" in str(caught.value) and "seccomp" in str(caught.value)
+    async with LocalSessionProvider(warm_engines=0) as lenient:
+        session = await lenient.create_session(CodeModeSessionDelegate())
+        assert (await run(lenient, "text(1)", session)).content_items == [InputText("1")]
+        assert session.engine is not None and session.engine.confinement == weak

@@ -54,6 +54,8 @@ _DECODER: Final = msgspec.json.Decoder()
 #: ends with an error that keeps what it buffered. Small enough that the observation fits a V1
 #: frame in the common case; the prelude's own bound (64 Mi over a cell's life) is the engine's.
 MAX_BUFFERED_OUTPUT_CHARS: Final = 16 * 1024 * 1024
+#: What each buffered item counts for besides its characters (bounds floods of empty items).
+ITEM_OVERHEAD_CHARS: Final = 64
 #: Error texts longer than this are cut (a cell can throw a string of any size).
 MAX_ERROR_TEXT_CHARS: Final = 1024 * 1024
 PENDING_LIMIT_TEXT: Final = (
@@ -204,6 +206,7 @@ class Cell:
         if self._state is not _State.RUNNING:
             return
         self._items.append(item)
+        self._buffered += ITEM_OVERHEAD_CHARS
         if isinstance(item, InputText):
             self._buffered += len(item.text)
         else:
@@ -349,7 +352,9 @@ class Cell:
         if self._state is not _State.FINISHING:
             return  # a termination won the race: the completion is discarded
         if natural:
-            self._session.commit(writes)
+            refused = self._session.commit(writes)
+            if refused is not None and error is None:
+                error = refused
         self._error_text = error
         self._state = _State.COMPLETED
         if self._observer is not None:

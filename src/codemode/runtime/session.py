@@ -53,6 +53,8 @@ logger = logging.getLogger("codemode.runtime")
 
 _MIB: Final = 1024 * 1024
 _ENCODER: Final = msgspec.json.Encoder()
+#: The most a session's store may hold (characters of keys and JSON values).
+MAX_STORE_CHARS: Final = 256 * 1024 * 1024
 #: How long a session keeps its engine process without a live cell.
 DEFAULT_IDLE_ENGINE_TIMEOUT: Final = 30.0
 
@@ -186,6 +188,7 @@ class LocalSession(CodeModeSession):
         self._heap_mb = None if heap is None else max(1, math.ceil(heap / _MIB))
         self._store_load = store_load
         self._store: dict[str, str] = {}
+        self._store_chars = 0
         self._cells: dict[CellId, Cell] = {}
         self._next_cell = 1
         self._shutting_down = False
@@ -284,10 +287,26 @@ class LocalSession(CodeModeSession):
 
     # -- helpers for cells ---------------------------------------------------------------------------
 
-    def commit(self, writes: list[tuple[str, str]]) -> None:
-        """Merge a naturally completed cell's store writes (per key, last writer wins)."""
-        if self._store_load:
-            self._store.update(writes)
+    def commit(self, writes: list[tuple[str, str]]) -> str | None:
+        """Merge a naturally completed cell's store writes (per key, last writer wins).
+
+        Returns an error text instead when the session's store would outgrow its limit (the
+        writes are then discarded whole).
+        """
+        if not self._store_load or not writes:
+            return None
+        size = self._store_chars
+        for key, value in writes:
+            old = self._store.get(key)
+            size += len(key) + len(value) - (0 if old is None else len(key) + len(old))
+        if size > MAX_STORE_CHARS:
+            return (
+                "exec cell store writes were discarded: the session store would exceed "
+                f"{MAX_STORE_CHARS} characters"
+            )
+        self._store.update(writes)
+        self._store_chars = size
+        return None
 
     def forget(self, cell: Cell) -> None:
         """Remove a closed cell; an idle session's own engine is released after a while."""

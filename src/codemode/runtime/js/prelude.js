@@ -50,6 +50,11 @@
   // limits, so that those still answer with their own errors; below what would hurt the host.
   const MAX_OUTPUT_CHARS = 64 * 1024 * 1024;
   const MAX_TOOL_INPUT_CHARS = 128 * 1024 * 1024;
+  // Every item also costs this much, so that a flood of empty items is bounded too.
+  const ITEM_OVERHEAD_CHARS = 64;
+  const MAX_STORE_CHARS = 64 * 1024 * 1024; // keys and values a cell writes with store()
+  const MAX_PENDING_CALLS = 4096; // unsettled tool calls of one cell
+  let storeChars = 0;
   let outputChars = 0;
 
   function within(list, value) {
@@ -110,7 +115,7 @@
 
   // Counts a text against the cell's output limits before it leaves.
   function charge(text) {
-    const size = text.length;
+    const size = text.length + ITEM_OVERHEAD_CHARS;
     if (outputChars + size > MAX_OUTPUT_CHARS) {
       throw 'exec cell output exceeds the limit of ' + MAX_OUTPUT_CHARS + ' characters';
     }
@@ -358,6 +363,13 @@
       throw 'Unable to store ' + debugQuote(name) + '. Only plain serializable objects can be stored.';
     }
     if (finished) return;
+    const previous = mapGet(written, name);
+    const grown = storeChars + name.length + serialized.length -
+      (previous === undefined ? 0 : name.length + previous.length);
+    if (grown > MAX_STORE_CHARS) {
+      throw 'store exceeds the limit of ' + MAX_STORE_CHARS + ' characters written per cell';
+    }
+    storeChars = grown;
     mapSet(stored, name, serialized);
     mapSet(written, name, serialized);
   }
@@ -378,8 +390,12 @@
     hostNotify(toWellFormed(message));
   }
 
+  // A second yield in the same turn changes nothing (decision 0004): it is not sent.
+  let yieldedTurn = -1;
   function yield_control() {
-    if (!finished) hostYield(turn);
+    if (finished || yieldedTurn === turn) return;
+    yieldedTurn = turn;
+    hostYield(turn);
   }
 
   // Nothing of the cell is observable after exit(): the host disposes the isolate on `finish`, and
@@ -419,6 +435,10 @@
       const input = args.length === 0 ? undefined : stringify(args[0]);
       if (input !== undefined && input.length > MAX_TOOL_INPUT_CHARS) {
         throw 'tool input of ' + input.length + ' characters exceeds the limit of ' + MAX_TOOL_INPUT_CHARS + ' characters';
+      }
+      if (pendingCalls.size >= MAX_PENDING_CALLS) {
+        // Refused like any call over a limit (a rejection), without a word to the host.
+        return PromiseCtor.reject('too many pending tool calls in this cell (limit ' + MAX_PENDING_CALLS + ')');
       }
       const id = 'tool-' + nextCall++;
       return new PromiseCtor((resolve, reject) => {

@@ -1,0 +1,76 @@
+"""What one cell may take: output, tool calls, store; each limit ends in a clear error."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from codemode.protocol import ExecuteRequest, InputText, Result
+from codemode.runtime import LocalSession, LocalSessionProvider
+from codemode.runtime import session as session_module
+from tests.contract.delegate import FIXTURE_TOOLS, RecordingDelegate
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[LocalSession]:
+    async with LocalSessionProvider() as provider:
+        yield await provider.create_session(RecordingDelegate())
+
+
+async def run(session: LocalSession, source: str) -> Result:
+    started = await session.execute(
+        ExecuteRequest(
+            tool_call_id="c", source=source, enabled_tools=list(FIXTURE_TOOLS), yield_time_ms=60_000
+        )
+    )
+    result = await started.initial_response()
+    assert isinstance(result, Result)
+    return result
+
+
+async def test_a_flood_of_empty_items_is_bounded(session: LocalSession) -> None:
+    result = await run(session, 'for (;;) text("")')
+    # Python's bound on output waiting for an observer comes first (64 characters an item).
+    assert result.error_text == "exec cell output exceeds the limit of 16777216 characters"
+    assert len(result.content_items) == (16 << 20) // 64 + 1
+
+
+async def test_output_buffered_for_one_observation_is_bounded(session: LocalSession) -> None:
+    result = await run(session, 'for (let i = 0; i < 40; i++) text("x".repeat(1 << 20))')
+    assert result.error_text == "exec cell output exceeds the limit of 16777216 characters"
+    assert 0 < len(result.content_items) <= 16
+
+
+async def test_unsettled_tool_calls_of_one_cell_are_bounded(session: LocalSession) -> None:
+    result = await run(
+        session,
+        "const calls = Array.from({length: 4100}, () => tools.block({}));"
+        "try { await Promise.race(calls.slice(4096)); } catch (e) { text(e); }",
+    )
+    assert result.error_text is None
+    assert result.content_items == [
+        InputText("too many pending tool calls in this cell (limit 4096)")
+    ]
+
+
+async def test_what_one_cell_stores_is_bounded(session: LocalSession) -> None:
+    result = await run(
+        session,
+        'store("a", "x".repeat(40 << 20)); store("a", "y".repeat(40 << 20)); text("ok");'
+        'store("b", "z".repeat(30 << 20))',
+    )
+    assert result.error_text == "store exceeds the limit of 67108864 characters written per cell"
+
+
+async def test_the_session_store_is_bounded(
+    session: LocalSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(session_module, "MAX_STORE_CHARS", 1000)
+    assert (await run(session, 'store("a", "x".repeat(600))')).error_text is None
+    refused = await run(session, 'store("b", "x".repeat(600)); text("done")')
+    assert refused.error_text == (
+        "exec cell store writes were discarded: the session store would exceed 1000 characters"
+    )
+    kept = await run(session, 'text(String(load("a").length)); text(String(load("b")))')
+    assert [item.text for item in kept.content_items] == ["600", "undefined"]  # type: ignore[union-attr]
