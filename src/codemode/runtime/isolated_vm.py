@@ -14,6 +14,7 @@ import base64
 import contextlib
 import fcntl
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -31,6 +32,8 @@ VERSION: Final = "7.0.1"
 INTEGRITY: Final = "sha512-nBCQ1hXEaYKYJ79wwfhaF44ITOJC30Hw0wPEsFeNsdD3hdeKK7FW1SGMQYBUA+qasvkqdOazI+iBuq0lcbN/aw=="
 FETCH_TIMEOUT: Final = 300.0
 _KEEP: Final = ("package.json", "LICENSE", "prebuilds/")
+
+logger = logging.getLogger("codemode.runtime")
 
 
 class EngineSetupError(CodeModeError):
@@ -86,6 +89,10 @@ def _npm(node: str) -> list[str]:
 
 
 def _fetch(node: str, target: Path) -> None:
+    # A warning, so that it shows without any logging set up: the first start waits on it.
+    logger.warning(
+        "fetching the engine addon isolated-vm@%s with npm (once) into %s", VERSION, target
+    )
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as scratch:
         command = [*_npm(node), "pack", f"isolated-vm@{VERSION}", "--silent"]
         command += ["--pack-destination", scratch]
