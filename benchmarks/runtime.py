@@ -14,7 +14,7 @@ measured in the same run, on the same engine process where there is one:
 * nested calls to a delegate whose ``invoke_tool`` returns at once, 500 awaited one by one and
   1,000 per ``Promise.all``, timed inside the cell: beside the same loops awaiting a JS-local
   ``async`` function;
-* trivial cells per second, 1 session back to back and 4 sessions in flight: beside the same
+* trivial cells per second, 1 session back to back and 4 and 16 sessions in flight: beside the same
   through ``run_cell`` on the same engines;
 * RSS (``/proc/PID/statm``) per session for 1, 4 and 8 open sessions that each ran one cell: the
   sum of their engine processes / N (and what this process grew by), beside an idle bare ``node``
@@ -71,7 +71,7 @@ LOCAL_PAR_ROUNDS: Final = 100
 LOCAL_CELLS: Final = 3
 SETTLE_MS: Final = 50  # a cell waits this long before timing, so start-up work is over
 RATE_CELLS: Final = 80
-CONCURRENCY: Final = 4
+LANES: Final = (1, 4, 16)  # sessions with a cell in flight, for cells per second
 SESSION_COUNTS: Final = (1, 4, 8)
 PYTHON_SESSIONS: Final = 200  # sessions whose Python objects tracemalloc weighs (shared engine)
 BLOCKED_CELLS: Final = 16
@@ -442,11 +442,11 @@ async def measure_nested(
 async def measure_throughput(
     sessions: list[LocalSession], provider: LocalSessionProvider
 ) -> list[Row]:
-    """Cells-per-second rows: 1 session back to back, ``CONCURRENCY`` sessions in flight."""
-    progress(f"throughput: {RATE_CELLS} cells per run, 4 runs")
+    """Cells-per-second rows: 1 session back to back, then each of ``LANES`` sessions in flight."""
+    progress(f"throughput: {RATE_CELLS} cells per run, {2 * len(LANES)} runs")
     pids = [engine_pid(s) for s in sessions]
     rows: list[Row] = []
-    for lanes in (1, CONCURRENCY):
+    for lanes in LANES:
         chosen = sessions[:lanes]
         await settle(provider, pids)
         through_session = await rate([partial(session_latency, s) for s in chosen], RATE_CELLS)
@@ -607,7 +607,7 @@ async def run() -> None:
     )
     began = time.perf_counter()
     try:
-        sessions = [await provider.create_session(delegate) for _ in range(CONCURRENCY)]
+        sessions = [await provider.create_session(delegate) for _ in range(max(LANES))]
         for session in sessions:
             assert await execute(session, TRIVIAL, []) == "hi"
         pids = [engine_pid(s) for s in sessions]
