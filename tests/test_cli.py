@@ -205,3 +205,30 @@ def test_doctor_lists_the_confinement_layers() -> None:
     assert "isolated-vm 7.0.1:" in done.stdout
     for layer in ("node-permission", "landlock-fs", "landlock-net", "seccomp"):
         assert f"  {layer}: " in done.stdout
+
+
+def test_host_listen_stdio_is_the_same_as_stdio() -> None:
+    hello = {
+        "type": "connection/hello",
+        "supportedVersions": [1],
+        "requiredCapabilities": [],
+        "optionalCapabilities": [],
+    }
+    for flags in (("--listen", "stdio"), ("--stdio",), ("--stdio", "--listen", "stdio")):
+        done = codemode("host", *flags, stdin=bytes(encode_frame(hello)))
+        assert done.returncode == 0, (flags, done.stderr)
+        size = int.from_bytes(done.stdout[:4], "little")
+        assert len(done.stdout) == 4 + size, flags
+        ready = json.loads(done.stdout[4:])
+        assert (ready["type"], ready["selectedVersion"]) == ("connection/ready", 1), flags
+
+
+def test_host_other_listen_addresses_are_usage_errors() -> None:
+    for address in ("ws://127.0.0.1:0", "stdio://", "grpc://127.0.0.1:0"):
+        done = codemode("host", "--listen", address)
+        assert done.returncode == 2, address
+        assert done.stdout == b""
+        assert f"--listen {address}: only `stdio` is supported".encode() in done.stderr
+    missing = codemode("host")
+    assert missing.returncode == 2
+    assert b"--stdio (or --listen stdio) is required" in missing.stderr

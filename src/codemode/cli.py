@@ -305,9 +305,17 @@ def _host_command(args: argparse.Namespace) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="codemode host: %(levelname)s %(message)s",
     )
-    if not args.stdio:
+    if args.listen is not None and args.listen != "stdio":
         print(
-            "codemode host: --stdio is required (WebSocket hosting is not available yet)",
+            f"codemode host: --listen {args.listen}: only `stdio` is supported "
+            "(WebSocket hosting is not available yet)",
+            file=sys.stderr,
+        )
+        return 2
+    if not args.stdio and args.listen is None:
+        print(
+            "codemode host: --stdio (or --listen stdio) is required "
+            "(WebSocket hosting is not available yet)",
             file=sys.stderr,
         )
         return 2
@@ -352,11 +360,17 @@ def _parser() -> argparse.ArgumentParser:
     host = commands.add_parser(
         "host",
         help="serve sessions to a remote client over Protocol V1",
-        description="Serve the embedded runtime over Protocol V1. With --stdio, serve exactly one "
-        "connection on stdin/stdout (stdout carries frames only; logs go to stderr) and exit when "
-        "stdin ends: status 0 after a clean end, 1 after a connection error.",
+        description="Serve the embedded runtime over Protocol V1. With --stdio (or --listen "
+        "stdio, the upstream host's spelling), serve exactly one connection on stdin/stdout "
+        "(stdout carries frames only; logs go to stderr) and exit when stdin ends: status 0 after "
+        "a clean end, 1 after a connection error; 2 for any other --listen address.",
     )
     host.add_argument("--stdio", action="store_true", help="serve one connection on stdin/stdout")
+    host.add_argument(
+        "--listen",
+        metavar="ADDRESS",
+        help="where to serve: only `stdio` for now (the same as --stdio)",
+    )
     host.add_argument(
         "--max-in-flight-requests",
         type=_positive,

@@ -1,17 +1,22 @@
 """The one contract suite: every session implementation must pass the same behavioural tests.
 
-A ``Harness`` opens sessions of one implementation (embedded today; stdio, WebSocket and gRPC
-carriers join the ``IMPLEMENTATIONS`` list as they land) and cleans them up afterwards.
+A ``Harness`` opens sessions of one implementation (embedded, stdio; WebSocket and gRPC carriers
+join the ``IMPLEMENTATIONS`` list as they land) and cleans them up afterwards. The ``upstream``
+carrier runs the same tests with our V1 client against the upstream host binary (the oracle of
+``runtime.md``, Conventions): where upstream knowingly differs, ``DIVERGENCES`` names the test and
+the reason, and the test is a strict xfail on that carrier only (``docs/interop.md``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import AsyncIterator
 from typing import Protocol
 
 import pytest
 
+from codemode.errors import ConnectionClosed
 from codemode.protocol import (
     CodeModeSession,
     CodeModeSessionCellExecutionLimits,
@@ -118,12 +123,133 @@ class StdioHarness:
             await provider.aclose()
 
 
-IMPLEMENTATIONS: dict[str, type[Harness]] = {"embedded": EmbeddedHarness, "stdio": StdioHarness}
+class UpstreamHarness(StdioHarness):
+    """Sessions on the upstream host binary (``codex-code-mode-host --listen stdio``), through
+    our V1 client: the oracle of ``runtime.md`` (Conventions, "Oracle")."""
+
+    name = "upstream"
+    # protocol-v1.md §8.6 (upstream's connection dies well before it: see DIVERGENCES).
+    max_pending_callbacks: int | None = MAX_PENDING_DELEGATE_CALLS
+
+    async def session(
+        self,
+        delegate: CodeModeSessionDelegate | None = None,
+        *,
+        limits: CodeModeSessionCellExecutionLimits | None = None,
+        store_load: bool = True,
+    ) -> CodeModeSession:
+        from codemode.client import ProcessOwnedCodeModeSessionProvider
+        from tests.upstream import unavailable_reason, upstream_host
+
+        if not store_load:
+            pytest.skip("the upstream host has no switch to leave out store/load")
+        provider = self._providers.get(store_load)
+        if provider is None:
+            binary = upstream_host()
+            if binary is None:
+                pytest.skip(unavailable_reason())
+            command = [str(binary), "--listen", "stdio"]
+            provider = self._providers[store_load] = ProcessOwnedCodeModeSessionProvider(command)
+        session = await provider.create_session_with_limits(
+            delegate or RecordingDelegate(), limits or CodeModeSessionCellExecutionLimits()
+        )
+        self._sessions.append(session)
+        return session
+
+    async def aclose(self) -> None:
+        # A host that died or wedged (the DIVERGENCES above) fails the shutdown of its sessions
+        # with the connection's reason: the test already reported it.
+        for session in self._sessions:
+            with contextlib.suppress(ConnectionClosed):
+                await session.shutdown()
+        for provider in self._providers.values():
+            await provider.aclose()
+
+
+IMPLEMENTATIONS: dict[str, type[Harness]] = {
+    "embedded": EmbeddedHarness,
+    "stdio": StdioHarness,
+    "upstream": UpstreamHarness,
+}
+
+_SHORT_CLIP = (
+    "upstream 0.149.0 predates the short-clip rule (runtime.md §5.5; later upstream releases have "
+    "it): it keeps the input_audio item instead of the omission text"
+)
+_STORE_UNDEFINED = (
+    "upstream 0.149.0 throws `failed to serialize JavaScript value: expected value at line 1 "
+    "column 1` for an undefined value too; later releases throw the `Unable to store` text "
+    "(runtime.md §6)"
+)
+_HEAP = (
+    "upstream defect: the whole host process dies (SIGTRAP, exit status -5) when one cell "
+    "passes its heap limit, taking every session of the connection with it"
+)
+
+#: Tests the upstream carrier knowingly fails (test id → why): upstream defects the spec
+#: overrides (runtime.md, Conventions, "Oracle") and upstream behaviour that changed across
+#: releases. Each is a strict xfail on ``upstream`` only; see docs/interop.md.
+DIVERGENCES: dict[str, str] = {
+    **{f"test_case[upstream-{case}]": _SHORT_CLIP for case in ("R32a", "R32b", "R32c", "R33")},
+    **{f"test_case[upstream-{case}]": _SHORT_CLIP for case in ("R34a", "R35")},
+    "test_case[upstream-R44]": _STORE_UNDEFINED,
+    "test_case[upstream-R45]": _STORE_UNDEFINED,
+    "test_s16_heap_limit_ends_only_that_cell[upstream]": _HEAP,
+    "test_heap_bomb_leaves_a_concurrent_cell_in_another_session_unharmed[upstream]": _HEAP,
+    "test_case[upstream-R57]": (
+        "runtime.md §9 says exit() cannot be caught; upstream 0.149.0 throws a catchable string "
+        "(__codex_code_mode_exit__), so catch, finally and later statements run and their output "
+        "is kept (items caught, finally, after); kept as specified until a later release is checked"
+    ),
+    "test_ten_thousand_parallel_nested_calls[upstream]": (
+        "upstream defect: more than ~128 parallel nested calls in one cell end the connection "
+        "(the host exits with status 0 after some 80 tool/invoke requests)"
+    ),
+}
+
+#: Tests not run on the upstream carrier (test id → why): they hang there, or their outcome there
+#: depends on timing, so neither a pass nor a strict xfail would be stable.
+UPSTREAM_SKIPS: dict[str, str] = {
+    "test_calls_beyond_the_callback_cap_reject[upstream]": (
+        "hangs on upstream (upstream defect): with more than ~130 unresolved nested calls in one "
+        "cell the host stops sending anything (no initial response, no further tool/invoke), "
+        "long before the 1024 cap"
+    ),
+    "test_s22_second_yield_without_observer_is_a_noop[upstream]": (
+        "racy on upstream (about 1 run in 7): a wait that attaches between the cell's first and "
+        "second yield_control() is ended by the second one with Yielded([b]) instead of "
+        "Result([b, c])"
+    ),
+    "test_s09_second_terminate_while_cleaning_up[upstream]": (
+        "timing-dependent on upstream: its terminate answers at once (a revoked callback counts "
+        "as resolved, protocol-v1.md §8.6), so a second terminate 50 ms later usually gets "
+        "MissingCell `exec cell 1 not found` rather than `already terminating`"
+    ),
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is None or callspec.params.get("harness") != "upstream":
+            continue
+        name = item.name
+        if name in UPSTREAM_SKIPS:
+            item.add_marker(pytest.mark.skip(reason=UPSTREAM_SKIPS[name]))
+            continue
+        reason = DIVERGENCES.get(name)
+        if reason is not None:
+            item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
 
 
 @pytest.fixture(params=sorted(IMPLEMENTATIONS))
 async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
     """One harness per session implementation."""
+    if request.param == "upstream":
+        from tests.upstream import unavailable_reason, upstream_host
+
+        if upstream_host() is None:
+            pytest.skip(unavailable_reason())
     instance: Harness = IMPLEMENTATIONS[request.param]()
     try:
         yield instance

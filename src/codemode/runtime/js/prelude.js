@@ -98,7 +98,7 @@
     } catch (error) {
       throw errorText(error);
     }
-    return text === undefined ? StringOf(value) : text;
+    return text === undefined ? 'undefined' : text; // functions, symbols (checked upstream)
   }
 
   // -- cell state --------------------------------------------------------------------------------
@@ -360,6 +360,9 @@
       throw errorText(error);
     }
     if (serialized === undefined) {
+      if (typeof value === 'function' || typeof value === 'symbol') {
+        throw 'failed to serialize JavaScript value: expected value at line 1 column 1';
+      }
       throw 'Unable to store ' + debugQuote(name) + '. Only plain serializable objects can be stored.';
     }
     if (finished) return;
@@ -420,10 +423,12 @@
   }
 
   function clearTimeout(id) {
+    if (typeof id === 'symbol' || typeof id === 'bigint') {
+      throw 'clearTimeout expects a numeric timeout id';
+    }
     if (id === undefined || id === null) return;
     const number = NumberOf(id);
-    if (number !== number) throw 'clearTimeout expects a numeric timeout id';
-    if (!isFiniteNumber(number) || number <= 0) return;
+    if (number !== number || !isFiniteNumber(number) || number <= 0) return;
     const key = trunc(number);
     if (mapDelete(timers, key)) hostClearTimer(key);
   }

