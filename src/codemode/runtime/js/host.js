@@ -467,8 +467,8 @@ setInterval(() => {
       cell.disposedSeen = true; // give the normal path (a rejected entry) one tick to report
       continue;
     }
+    send({ t: 'exiting' }); // before the cell's end, so that no new cell is sent here
     cell.exit('oom');
-    send({ t: 'exiting' });
     flush();
     console.error('codemode engine host: a disposed isolate kept running; exiting');
     process.exit(70);

@@ -64,7 +64,8 @@
 
   // -- thrown values -> error text (§12) ---------------------------------------------------------
   // Frames of the host's own files say nothing to a model; the cell's frames (exec_main.mjs) stay.
-  const HOST_FRAME = /^\s+at .*codemode-prelude\.js/;
+  // The prelude's own frames, and the frame of the captured JSON.stringify it calls.
+  const HOST_FRAME = /^\s+at (.*codemode-prelude\.js|stringify \(<anonymous>\)$)/;
   function cleanStack(stack) {
     const lines = StringOf.prototype.split.call(stack, '\n');
     const kept = [];
@@ -455,7 +456,7 @@
   }
 
   function install(name, value) {
-    defineProperty(g, name, { value, writable: true, configurable: true, enumerable: false });
+    defineProperty(g, name, { value, writable: true, configurable: true, enumerable: true });
   }
 
   // -- the host's way in ---------------------------------------------------------------------------
@@ -469,39 +470,43 @@
     for (const [identifier, index] of config.tools) {
       if (!hasOwn(tools, identifier)) tools[identifier] = makeTool(index);
     }
+    // Enumerable, in the upstream host's order (what `Object.keys(globalThis)` shows).
     install('tools', tools);
     install('ALL_TOOLS', config.all);
+    install('clearTimeout', clearTimeout);
+    install('setTimeout', setTimeout);
     install('text', text);
     install('image', image);
-    install('generatedImage', generatedImage);
     install('audio', audio);
-    install('notify', notify);
-    install('yield_control', yield_control);
-    install('exit', exit);
-    install('setTimeout', setTimeout);
-    install('clearTimeout', clearTimeout);
+    install('generatedImage', generatedImage);
     if (config.store !== null) {
       for (const [key, serialized] of config.store) mapSet(stored, key, serialized);
       install('store', store);
       install('load', load);
     }
+    install('notify', notify);
+    install('yield_control', yield_control);
+    install('exit', exit);
   }
 
   // Every dynamic import() of the cell is renamed to a call of this (host.js).
   const dynamicImport = () => PromiseCtor.reject('unsupported import in exec');
 
   // `wrapper` takes the dynamic-import function and returns the cell as an async function.
+  // Cell code (the cell's body, a timer callback) is called from a microtask, so that no frame of
+  // this file sits under it: its stack traces show only the cell's own frames.
+  const resolved = PromiseCtor.resolve();
+
   function run(wrapper) {
-    const settled = (error) => finish(error);
-    let promise;
+    let cell;
     try {
-      promise = apply(apply(wrapper, undefined, [dynamicImport]), undefined, []);
+      cell = apply(wrapper, undefined, [dynamicImport]);
     } catch (error) {
-      if (error !== EXIT) finish(errorText(error));
+      finish(errorText(error));
       return;
     }
-    promiseThen(promise, () => settled(null), (error) => {
-      if (error !== EXIT) settled(errorText(error));
+    promiseThen(promiseThen(resolved, cell), () => finish(null), (error) => {
+      if (error !== EXIT) finish(errorText(error));
     });
   }
 
@@ -523,11 +528,13 @@
     const callback = mapGet(timers, id);
     if (callback === undefined || finished) return;
     mapDelete(timers, id);
-    try {
+    // Only what the callback throws ends the cell; a promise it returns is not awaited (§2.5).
+    const call = () => {
       apply(callback, undefined, []);
-    } catch (error) {
+    };
+    promiseThen(promiseThen(resolved, call), undefined, (error) => {
       if (error !== EXIT) finish(errorText(error));
-    }
+    });
   }
 
   return function entry(kind, a) {
