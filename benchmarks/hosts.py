@@ -1,0 +1,248 @@
+"""Our host beside the upstream host: the same raw V1 client (stdlib only) drives both over stdio.
+
+Figures (each host measured in the same run, alternating blocks):
+
+* trivial execute (``text(1)``) → its initial response, p50 / p99, back to back and 10 ms apart;
+* cells per second back to back on one session;
+* nested call round trip (a cell awaiting a tool 300 times), µs per call.
+
+The client writes frames with ``struct`` + ``json`` and answers ``delegate/request`` itself, so the
+figures include no codemode client code. The upstream host (``codex-code-mode-host`` of
+``@openai/codex@0.149.0-linux-x64``) is used when ``tests/upstream.py`` can provide it (fetched once
+with npm); otherwise its column says why not.
+
+Run: ``python -m benchmarks.hosts``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Final
+
+from benchmarks.common import percentile, progress
+
+SAMPLES: Final = 200
+PACED_S: Final = 0.010
+RATE_CELLS: Final = 200
+NESTED_CALLS: Final = 300
+BLOCKS: Final = 2
+
+
+class RawClient:
+    """A blocking V1 client over a child's stdio; one session."""
+
+    def __init__(self, command: list[str]) -> None:
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+        )
+        self.next_id = 1
+        self.send(
+            {
+                "type": "connection/hello",
+                "supportedVersions": [1],
+                "requiredCapabilities": [],
+                "optionalCapabilities": [],
+            }
+        )
+        assert self.receive()["type"] == "connection/ready"
+        self.request({"method": "session/open", "sessionId": "s1"})
+
+    def send(self, message: dict[str, Any]) -> None:
+        assert self.process.stdin is not None
+        body = json.dumps(message, separators=(",", ":")).encode()
+        self.process.stdin.write(struct.pack("<I", len(body)) + body)
+        self.process.stdin.flush()
+
+    def receive(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        head = self.process.stdout.read(4)
+        if len(head) < 4:
+            raise RuntimeError("the host closed its stdout")
+        (size,) = struct.unpack("<I", head)
+        message: dict[str, Any] = json.loads(self.process.stdout.read(size))
+        return message
+
+    def request(self, request: dict[str, Any]) -> int:
+        request_id = self.next_id
+        self.next_id += 1
+        self.send({"type": "operation/request", "id": request_id, "request": request})
+        return request_id
+
+    def execute(self, source: str, tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """Run a cell to its initial response, answering tool calls with their input."""
+        request_id = self.request(
+            {
+                "method": "session/execute",
+                "sessionId": "s1",
+                "request": {
+                    "tool_call_id": "c",
+                    "enabled_tools": tools or [],
+                    "source": source,
+                    "yield_time_ms": 30_000,
+                    "max_output_tokens": None,
+                },
+            }
+        )
+        while True:
+            message = self.receive()
+            kind = message["type"]
+            if kind == "execute/initialResponse" and message["id"] == request_id:
+                result: dict[str, Any] = message["result"]
+                return result
+            if kind == "delegate/request":
+                invocation = message["request"]
+                self.send(
+                    {
+                        "type": "delegate/response",
+                        "id": message["id"],
+                        "result": {
+                            "status": "ok",
+                            "value": {
+                                "type": "tool/result",
+                                "result": invocation.get("invocation", {}).get("input"),
+                            },
+                        },
+                    }
+                )
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+ECHO: Final = {
+    "name": "echo",
+    "tool_name": {"name": "echo", "namespace": None},
+    "description": "echo",
+    "kind": "function",
+    "input_schema": None,
+    "output_schema": None,
+}
+
+
+def print_table(head: tuple[str, ...], body: list[tuple[str, ...]], footer: str) -> None:
+    """One Markdown table, then a footer line."""
+    widths = [max(len(line[i]) for line in (head, *body)) for i in range(len(head))]
+    for index, line in enumerate((head, *body)):
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) + " |")
+        if index == 0:
+            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    print()
+    print(footer)
+
+
+def latencies(client: RawClient, pause: float) -> list[float]:
+    out = []
+    for _ in range(SAMPLES // BLOCKS):
+        began = time.perf_counter()
+        client.execute("text(1)")
+        out.append((time.perf_counter() - began) * 1e3)
+        if pause:
+            time.sleep(pause)
+    return out
+
+
+def cells_per_second(client: RawClient) -> float:
+    began = time.perf_counter()
+    for _ in range(RATE_CELLS // BLOCKS):
+        client.execute("text(1)")
+    return (RATE_CELLS // BLOCKS) / (time.perf_counter() - began)
+
+
+def nested_us(client: RawClient) -> float:
+    source = (
+        f"const t = Date.now(); for (let i = 0; i < {NESTED_CALLS}; i++) await tools.echo({{i}});"
+        " text(String(Date.now() - t));"
+    )
+    result = client.execute(source, [ECHO])
+    ms = float(result["value"]["Result"]["content_items"][0]["text"])
+    return ms * 1e3 / NESTED_CALLS
+
+
+def hosts() -> dict[str, list[str] | str]:
+    """Host name → command, or the reason it is not available."""
+    found: dict[str, list[str] | str] = {
+        "codemode host": [sys.executable, "-m", "codemode", "host", "--stdio"]
+    }
+    try:
+        from tests.upstream import unavailable_reason, upstream_host
+    except ImportError:
+        found["upstream 0.149.0"] = "tests/upstream.py not importable (run from the checkout)"
+        return found
+    binary = upstream_host()
+    found["upstream 0.149.0"] = (
+        [str(binary), "--listen", "stdio"] if binary is not None else unavailable_reason()
+    )
+    return found
+
+
+def main() -> None:
+    began = time.perf_counter()
+    commands = hosts()
+    clients = {
+        name: RawClient(command) for name, command in commands.items() if isinstance(command, list)
+    }
+    figures: dict[str, dict[str, list[float]]] = {name: {} for name in clients}
+    try:
+        for client in clients.values():
+            for _ in range(20):
+                client.execute("text(1)")  # warm up
+        for block in range(BLOCKS):
+            progress(f"block {block + 1} of {BLOCKS}")
+            for name, client in clients.items():
+                into = figures[name]
+                into.setdefault("b2b", []).extend(latencies(client, 0))
+                into.setdefault("paced", []).extend(latencies(client, PACED_S))
+                into.setdefault("rate", []).append(cells_per_second(client))
+                into.setdefault("nested", []).append(nested_us(client))
+    finally:
+        for client in clients.values():
+            client.close()
+    progress(f"done in {time.perf_counter() - began:.0f} s")
+
+    def cell(name: str, key: str) -> str:
+        values = figures.get(name, {}).get(key)
+        if values is None:
+            reason = commands[name]
+            return f"n/a ({reason})" if isinstance(reason, str) else "n/a"
+        if key in ("b2b", "paced"):
+            return f"{statistics.median(values):.2f} / {percentile(values, 99):.2f}"
+        return f"{statistics.median(values):.0f}"
+
+    ours, theirs = list(commands)
+    rows: list[tuple[str, ...]] = []
+    for key, label in (
+        ("b2b", "trivial execute, back to back, p50 / p99, ms"),
+        ("paced", "trivial execute, 10 ms apart, p50 / p99, ms"),
+        ("rate", "cells per second, one session back to back"),
+        ("nested", "nested call, sequential, us/call"),
+    ):
+        ratio = ""
+        if key in figures.get(ours, {}) and key in figures.get(theirs, {}):
+            mine = statistics.median(figures[ours][key])
+            reference = statistics.median(figures[theirs][key])
+            ratio = f"{mine / reference:.2f}x"
+        rows.append((label, cell(ours, key), cell(theirs, key), ratio))
+    print_table(
+        ("metric", "codemode host (ours)", "upstream host (baseline)", "ours / upstream"),
+        rows,
+        f"Same raw stdlib V1 client over stdio for both hosts; {SAMPLES} executes per pacing, "
+        f"{BLOCKS} alternating blocks; {os.cpu_count()} CPUs.",
+    )
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    main()
