@@ -27,6 +27,7 @@ from typing import Final
 __all__ = [
     "DEFAULT_VERSION",
     "INTEGRITY",
+    "LATEST_VERSION",
     "unavailable_reason",
     "upstream_cache_dir",
     "upstream_host",
@@ -34,9 +35,12 @@ __all__ = [
 
 #: The upstream release the suite is checked against.
 DEFAULT_VERSION: Final = "0.149.0"
+#: The latest upstream release checked (the ``latest`` wire revision, ``docs/interop.md``).
+LATEST_VERSION: Final = "0.171.0"
 #: npm integrity (sha512 of the tarball) of each pinned release.
 INTEGRITY: Final = {
     "0.149.0": "sha512-uZXaN9JPxu0/jjnqqJeTd4kRYPnjVZK3MiVndfG1mHhEaoDKL7ScWHfPqvAEOjwsSDEmQSlMfUkmvYp/CHciYw==",
+    "0.171.0": "sha512-l66NZkQgdk2C3pbcfULDz42yEUB581MVA6I+Y43Wp4OIqEy73HCdmZ0GTjeAHY2ycuH4N00d9VsLrwT1jxshTw==",
 }
 #: Where the binary sits inside the package tarball.
 MEMBER: Final = "package/vendor/x86_64-unknown-linux-musl/bin/codex-code-mode-host"

@@ -41,6 +41,7 @@ from codemode.protocol.v1 import (
     WIRE_TYPES,
     FrameDecoder,
     MessageDecoder,
+    WireRevision,
     encode_payload,
 )
 from codemode.protocol.v1.conversions import (
@@ -73,20 +74,20 @@ _TYPE_CHOICES = [_ANY_MESSAGE, "json", *WIRE_TYPES, *_DOMAIN_TYPES]
 _READ_CHUNK = 1 << 16
 
 
-def _decoder(type_name: str) -> MessageDecoder[Any]:
+def _decoder(type_name: str, revision: WireRevision = WireRevision.PINNED) -> MessageDecoder[Any]:
     if type_name == "json":
         return MessageDecoder(Any)
     if type_name == _ANY_MESSAGE:
-        return MessageDecoder(ClientToHost | HostToClient)
+        return MessageDecoder(ClientToHost | HostToClient, revision)
     if type_name in _DOMAIN_TYPES:
-        return MessageDecoder(_DOMAIN_TYPES[type_name][0])
-    return MessageDecoder(WIRE_TYPES[type_name])
+        return MessageDecoder(_DOMAIN_TYPES[type_name][0], revision)
+    return MessageDecoder(WIRE_TYPES[type_name], revision)
 
 
 def _wire_validate(args: argparse.Namespace) -> int:
     data = sys.stdin.buffer.read()
     try:
-        message = _decoder(args.type).decode(data)
+        message = _decoder(args.type, args.wire_revision).decode(data)
         if args.type in _DOMAIN_TYPES:
             _DOMAIN_TYPES[args.type][1](message)
     except CodeModeError as error:
@@ -98,17 +99,17 @@ def _wire_validate(args: argparse.Namespace) -> int:
 
 def _wire_frames(args: argparse.Namespace) -> int:
     if args.file == "-":
-        return _print_frames(sys.stdin.buffer, args.type)
+        return _print_frames(sys.stdin.buffer, args.type, args.wire_revision)
     try:
         with open(args.file, "rb") as stream:
-            return _print_frames(stream, args.type)
+            return _print_frames(stream, args.type, args.wire_revision)
     except OSError as error:
         print(f"codemode: cannot read {args.file}: {error.strerror}", file=sys.stderr)
         return 1
 
 
-def _print_frames(stream: BinaryIO, type_name: str) -> int:
-    reader: FrameDecoder[Any] = FrameDecoder(_decoder(type_name))
+def _print_frames(stream: BinaryIO, type_name: str, revision: WireRevision) -> int:
+    reader: FrameDecoder[Any] = FrameDecoder(_decoder(type_name, revision))
     out = sys.stdout.buffer
     status = 0
     while True:
@@ -282,6 +283,7 @@ async def _host_stdio(args: argparse.Namespace) -> int:
     options = HostOptions(
         max_in_flight_requests=args.max_in_flight_requests,
         max_active_cells=args.max_active_cells,
+        wire_revision=args.wire_revision,
     )
     provider = _provider(args, store_load=not args.no_store_load)
     logging.getLogger("codemode.host").info("%s", confinement.probe().describe())
@@ -384,6 +386,7 @@ def _parser() -> argparse.ArgumentParser:
         "--no-store-load", action="store_true", help="cells get no store/load globals"
     )
     host.add_argument("--verbose", action="store_true", help="debug logging on stderr")
+    _wire_revision_argument(host, "the shape of the runtime responses the host writes")
     _engine_arguments(host)
     host.set_defaults(handler=_host_command)
 
@@ -414,6 +417,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="TYPE",
         help=f"a wire type name ({', '.join(_TYPE_CHOICES)})",
     )
+    _wire_revision_argument(validate, "the runtime response shape to accept")
     validate.set_defaults(handler=_wire_validate)
     frames = wire_commands.add_parser(
         "frames",
@@ -430,8 +434,21 @@ def _parser() -> argparse.ArgumentParser:
         metavar="TYPE",
         help="validate every frame as TYPE (default: any client or host message)",
     )
+    _wire_revision_argument(frames, "the runtime response shape to accept")
     frames.set_defaults(handler=_wire_frames)
     return parser
+
+
+def _wire_revision_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--wire-revision",
+        type=WireRevision,
+        choices=list(WireRevision),
+        default=WireRevision.PINNED,
+        metavar="{" + ",".join(WireRevision) + "}",
+        help=f"{what}: pinned (V1 as pinned, the default) or latest (upstream 0.164+: "
+        "runtime responses carry code_mode_host_duration_ns and result_buffered_for_ns)",
+    )
 
 
 def _engine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,10 +1,13 @@
 """The one contract suite: every session implementation must pass the same behavioural tests.
 
 A ``Harness`` opens sessions of one implementation (embedded, stdio; WebSocket and gRPC carriers
-join the ``IMPLEMENTATIONS`` list as they land) and cleans them up afterwards. The ``upstream``
-carrier runs the same tests with our V1 client against the upstream host binary (the oracle of
-``runtime.md``, Conventions): where upstream knowingly differs, ``DIVERGENCES`` names the test and
-the reason, and the test is a strict xfail on that carrier only (``docs/interop.md``).
+join the ``IMPLEMENTATIONS`` list as they land) and cleans them up afterwards. ``stdio-latest`` is
+our client and our host both speaking the ``latest`` wire revision (decision 0007). The
+``upstream`` carrier runs the same tests with our V1 client against the upstream host binary
+(the oracle of ``runtime.md``, Conventions) of the pinned release, ``upstream-latest`` against the
+latest release checked, in the ``latest`` revision: where upstream knowingly differs,
+``DIVERGENCES`` names the test and the reason, and the test is a strict xfail on that carrier only
+(``docs/interop.md``).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import Final, Protocol
 
 import pytest
 
@@ -23,7 +26,9 @@ from codemode.protocol import (
     CodeModeSessionDelegate,
 )
 from codemode.protocol.constants import MAX_PENDING_DELEGATE_CALLS
+from codemode.protocol.v1 import WireRevision
 from tests.contract.delegate import RecordingDelegate
+from tests.upstream import DEFAULT_VERSION, LATEST_VERSION
 
 
 class Harness(Protocol):
@@ -88,6 +93,7 @@ class StdioHarness:
     name = "stdio"
     # The host's limit of unresolved callbacks per connection (protocol-v1.md §8.6).
     max_pending_callbacks: int | None = MAX_PENDING_DELEGATE_CALLS
+    wire_revision = WireRevision.PINNED
 
     def __init__(self) -> None:
         from codemode.client import ProcessOwnedCodeModeSessionProvider
@@ -107,9 +113,13 @@ class StdioHarness:
         provider = self._providers.get(store_load)
         if provider is None:
             command = [sys.executable, "-m", "codemode", "host", "--stdio"]
+            command += ["--wire-revision", self.wire_revision.value]
             if not store_load:
                 command.append("--no-store-load")
-            provider = self._providers[store_load] = ProcessOwnedCodeModeSessionProvider(command)
+            provider = ProcessOwnedCodeModeSessionProvider(
+                command, wire_revision=self.wire_revision
+            )
+            self._providers[store_load] = provider
         session = await provider.create_session_with_limits(
             delegate or RecordingDelegate(), limits or CodeModeSessionCellExecutionLimits()
         )
@@ -123,6 +133,13 @@ class StdioHarness:
             await provider.aclose()
 
 
+class StdioLatestHarness(StdioHarness):
+    """Our client and ``codemode host --stdio --wire-revision latest``: the ``latest`` wire."""
+
+    name = "stdio-latest"
+    wire_revision = WireRevision.LATEST
+
+
 class UpstreamHarness(StdioHarness):
     """Sessions on the upstream host binary (``codex-code-mode-host --listen stdio``), through
     our V1 client: the oracle of ``runtime.md`` (Conventions, "Oracle")."""
@@ -130,6 +147,7 @@ class UpstreamHarness(StdioHarness):
     name = "upstream"
     # protocol-v1.md §8.6 (upstream's connection dies well before it: see DIVERGENCES).
     max_pending_callbacks: int | None = MAX_PENDING_DELEGATE_CALLS
+    version = DEFAULT_VERSION
 
     async def session(
         self,
@@ -145,11 +163,14 @@ class UpstreamHarness(StdioHarness):
             pytest.skip("the upstream host has no switch to leave out store/load")
         provider = self._providers.get(store_load)
         if provider is None:
-            binary = upstream_host()
+            binary = upstream_host(self.version)
             if binary is None:
-                pytest.skip(unavailable_reason())
+                pytest.skip(unavailable_reason(self.version))
             command = [str(binary), "--listen", "stdio"]
-            provider = self._providers[store_load] = ProcessOwnedCodeModeSessionProvider(command)
+            provider = ProcessOwnedCodeModeSessionProvider(
+                command, wire_revision=self.wire_revision
+            )
+            self._providers[store_load] = provider
         session = await provider.create_session_with_limits(
             delegate or RecordingDelegate(), limits or CodeModeSessionCellExecutionLimits()
         )
@@ -166,11 +187,23 @@ class UpstreamHarness(StdioHarness):
             await provider.aclose()
 
 
+class UpstreamLatestHarness(UpstreamHarness):
+    """The latest upstream release checked, in the ``latest`` wire revision."""
+
+    name = "upstream-latest"
+    version = LATEST_VERSION
+    wire_revision = WireRevision.LATEST
+
+
 IMPLEMENTATIONS: dict[str, type[Harness]] = {
     "embedded": EmbeddedHarness,
     "stdio": StdioHarness,
+    "stdio-latest": StdioLatestHarness,
     "upstream": UpstreamHarness,
+    "upstream-latest": UpstreamLatestHarness,
 }
+#: The carriers whose host is the upstream binary, with the release each runs.
+UPSTREAM_CARRIERS: dict[str, str] = {"upstream": DEFAULT_VERSION, "upstream-latest": LATEST_VERSION}
 
 _SHORT_CLIP = (
     "upstream 0.149.0 predates the short-clip rule (runtime.md §5.5; later upstream releases have "
@@ -188,7 +221,7 @@ _HEAP = (
 
 #: Tests the upstream carrier knowingly fails (test id → why): upstream defects the spec
 #: overrides (runtime.md, Conventions, "Oracle") and upstream behaviour that changed across
-#: releases. Each is a strict xfail on ``upstream`` only; see docs/interop.md.
+#: releases. Each is a strict xfail on the carrier its id names only; see docs/interop.md.
 DIVERGENCES: dict[str, str] = {
     **{f"test_case[upstream-{case}]": _SHORT_CLIP for case in ("R32a", "R32b", "R32c", "R33")},
     **{f"test_case[upstream-{case}]": _SHORT_CLIP for case in ("R34a", "R35")},
@@ -199,11 +232,22 @@ DIVERGENCES: dict[str, str] = {
     "test_case[upstream-R57]": (
         "runtime.md §9 says exit() cannot be caught; upstream 0.149.0 throws a catchable string "
         "(__codex_code_mode_exit__), so catch, finally and later statements run and their output "
-        "is kept (items caught, finally, after); kept as specified until a later release is checked"
+        "is kept (items caught, finally, after); 0.171.0 behaves as specified"
     ),
     "test_ten_thousand_parallel_nested_calls[upstream]": (
         "upstream defect: more than ~128 parallel nested calls in one cell end the connection "
         "(the host exits with status 0 after some 80 tool/invoke requests)"
+    ),
+    # The latest release checked (0.171.0, wire revision ``latest``): the short-clip rule, the
+    # `Unable to store` text and an uncatchable exit() are there, so R32-R35, R44, R45 and R57
+    # pass; the two defects below remain.
+    "test_s16_heap_limit_ends_only_that_cell[upstream-latest]": f"{_HEAP} (still in 0.171.0)",
+    "test_heap_bomb_leaves_a_concurrent_cell_in_another_session_unharmed[upstream-latest]": (
+        f"{_HEAP} (still in 0.171.0)"
+    ),
+    "test_ten_thousand_parallel_nested_calls[upstream-latest]": (
+        "upstream defect, still in 0.171.0: 200 parallel nested calls in one cell end the "
+        "connection (the host exits with status 0)"
     ),
 }
 
@@ -226,12 +270,36 @@ UPSTREAM_SKIPS: dict[str, str] = {
         "MissingCell `exec cell 1 not found` rather than `already terminating`"
     ),
 }
+# 0.171.0 still hangs past ~130 unresolved calls and still answers the first terminate at once;
+# s22 passed in six runs there, too few to call the race gone.
+UPSTREAM_SKIPS.update(
+    {
+        name.replace("[upstream]", "[upstream-latest]"): f"{why} (seen on 0.149.0 and 0.171.0)"
+        for name, why in UPSTREAM_SKIPS.items()
+    }
+)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+#: ``stdio-latest`` differs from ``stdio`` only in how runtime responses are written, which every
+#: session test exercises; the JavaScript API cases (runtime behaviour, ~25 s) are not repeated.
+STDIO_LATEST_MODULES: Final = frozenset({"test_sessions.py"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    kept, deselected = [], []
     for item in items:
         callspec = getattr(item, "callspec", None)
-        if callspec is None or callspec.params.get("harness") != "upstream":
+        carrier = None if callspec is None else callspec.params.get("harness")
+        if carrier == "stdio-latest" and item.path.name not in STDIO_LATEST_MODULES:
+            deselected.append(item)
+        else:
+            kept.append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is None or callspec.params.get("harness") not in UPSTREAM_CARRIERS:
             continue
         name = item.name
         if name in UPSTREAM_SKIPS:
@@ -245,11 +313,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(params=sorted(IMPLEMENTATIONS))
 async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
     """One harness per session implementation."""
-    if request.param == "upstream":
+    version = UPSTREAM_CARRIERS.get(request.param)
+    if version is not None:
         from tests.upstream import unavailable_reason, upstream_host
 
-        if upstream_host() is None:
-            pytest.skip(unavailable_reason())
+        if upstream_host(version) is None:
+            pytest.skip(unavailable_reason(version))
     instance: Harness = IMPLEMENTATIONS[request.param]()
     try:
         yield instance

@@ -222,3 +222,29 @@ async def test_required_confinement_that_is_missing_refuses_to_start(
         session = await lenient.create_session(CodeModeSessionDelegate())
         assert (await run(lenient, "text(1)", session)).content_items == [InputText("1")]
         assert session.engine is not None and session.engine.confinement == weak
+
+
+async def test_a_result_reports_how_long_it_waited_for_its_observer(
+    provider: LocalSessionProvider,
+) -> None:
+    session = await provider.create_session(CodeModeSessionDelegate())
+    started = await session.execute(
+        ExecuteRequest(tool_call_id="c", source="text(1)", yield_time_ms=10_000)
+    )
+    first = await started.initial_response()
+    assert isinstance(first, Result) and first.result_buffered_for_ns == 0
+    late = await session.execute(
+        ExecuteRequest(
+            tool_call_id="c",
+            source="await new Promise(r => setTimeout(r, 20)); text(2)",
+            yield_time_ms=0,
+        )
+    )
+    assert not isinstance(await late.initial_response(), Result)
+    await asyncio.sleep(0.3)
+    from codemode.protocol import WaitRequest
+
+    waited = await session.wait(WaitRequest(late.cell_id, 1000))
+    assert isinstance(waited.response, Result)
+    assert waited.response.result_buffered_for_ns is not None
+    assert waited.response.result_buffered_for_ns >= 100_000_000

@@ -24,6 +24,7 @@ from codemode.protocol.constants import HANDSHAKE_TIMEOUT, SHUTDOWN_TIMEOUT
 from codemode.protocol.session import CodeModeSessionDelegate, CodeModeSessionProvider
 from codemode.protocol.types import CodeModeSessionCellExecutionLimits
 from codemode.protocol.v1.client_state import CONNECTION_CLOSED, exited_with_status
+from codemode.protocol.v1.revision import WireRevision
 from codemode.transports.stream import StreamTransport
 
 __all__ = ["DEFAULT_HOST_COMMAND", "HostProcess", "ProcessOwnedCodeModeSessionProvider"]
@@ -47,6 +48,8 @@ class HostProcess:
         program: str,
         transport: StreamTransport | None = None,
         stdin: asyncio.StreamWriter | None = None,
+        *,
+        wire_revision: WireRevision = WireRevision.PINNED,
     ) -> None:
         self.process = process
         self.program = program
@@ -56,7 +59,9 @@ class HostProcess:
             transport = StreamTransport(process.stdout, process.stdin)
             stdin = process.stdin
         self._stdin = stdin
-        self.connection = V1ClientConnection(transport, eof_reason=self._eof_reason)
+        self.connection = V1ClientConnection(
+            transport, eof_reason=self._eof_reason, wire_revision=wire_revision
+        )
         self.connection.add_death_callback(self._connection_died)
         self._stderr = asyncio.create_task(self._log_stderr(), name="codemode-host-stderr")
         self._reaper: asyncio.Task[None] | None = None
@@ -68,8 +73,12 @@ class HostProcess:
         *,
         env: Mapping[str, str] | None = None,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        wire_revision: WireRevision = WireRevision.PINNED,
     ) -> HostProcess:
-        """Start ``command`` and handshake; raise C1 (spawn) or C2-C5 (handshake)."""
+        """Start ``command`` and handshake; raise C1 (spawn) or C2-C5 (handshake).
+
+        ``wire_revision`` is the shape the client accepts runtime responses in; the command must
+        start a host that writes that shape."""
         program = command[0]
         loop = asyncio.get_running_loop()
         # Our own pipe ends, connected straight to the loop: data reaches the reader in the
@@ -102,7 +111,13 @@ class HostProcess:
             asyncio.streams.FlowControlMixin, os.fdopen(parent_out, "wb", 0)
         )
         writer = asyncio.StreamWriter(write_pipe, protocol, reader, loop)
-        host = cls(process, program, StreamTransport(reader, writer), writer)
+        host = cls(
+            process,
+            program,
+            StreamTransport(reader, writer),
+            writer,
+            wire_revision=wire_revision,
+        )
         try:
             await host.connection.handshake(timeout=handshake_timeout)
         except BaseException:
@@ -204,7 +219,11 @@ class HostProcess:
 class ProcessOwnedCodeModeSessionProvider(CodeModeSessionProvider):
     """Creates :class:`RemoteSession` objects on one shared host child process (§9.1).
 
-    ``command`` defaults to ``[sys.executable, "-m", "codemode", "host", "--stdio"]``. The process
+    ``command`` defaults to ``[sys.executable, "-m", "codemode", "host", "--stdio"]`` (plus
+    ``--wire-revision latest`` when ``wire_revision`` is ``latest``). ``wire_revision`` is the
+    shape of runtime responses the client accepts: ``pinned`` (V1 as pinned, the default) or
+    ``latest`` (upstream 0.164+, with timing fields); a host that writes the other shape fails at
+    its first runtime response (``docs/decisions/0007-wire-revisions.md``). The process
     is spawned on first use (one spawn at a time) and reused while its connection lives; after
     it died, the next ``create_session`` spawns a fresh one. Close with :meth:`aclose`.
     """
@@ -215,8 +234,14 @@ class ProcessOwnedCodeModeSessionProvider(CodeModeSessionProvider):
         *,
         env: Mapping[str, str] | None = None,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        wire_revision: WireRevision | str = WireRevision.PINNED,
     ) -> None:
-        self.command = list(DEFAULT_HOST_COMMAND if command is None else command)
+        self.wire_revision = WireRevision(wire_revision)
+        if command is None:
+            command = list(DEFAULT_HOST_COMMAND)
+            if self.wire_revision is not WireRevision.PINNED:
+                command += ["--wire-revision", self.wire_revision.value]
+        self.command = list(command)
         if not self.command:
             raise ValueError("the host command must not be empty")
         self._env = env
@@ -261,7 +286,10 @@ class ProcessOwnedCodeModeSessionProvider(CodeModeSessionProvider):
             if host is not None:
                 self._sessions.pop(host, None)
             host = await HostProcess.spawn(
-                self.command, env=self._env, handshake_timeout=self._handshake_timeout
+                self.command,
+                env=self._env,
+                handshake_timeout=self._handshake_timeout,
+                wire_revision=self.wire_revision,
             )
             self._host = host
             self._hosts = [h for h in self._hosts if not h.finished]

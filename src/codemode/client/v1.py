@@ -71,6 +71,7 @@ from codemode.protocol.v1.codec import MessageDecoder, encode_frame
 from codemode.protocol.v1.handshake import Negotiated, check_handshake_reply, client_hello
 from codemode.protocol.v1.lanes import Lane, allows_lane
 from codemode.protocol.v1.messages import HostToClient
+from codemode.protocol.v1.revision import WireRevision
 from codemode.transports.base import FrameTransport, TransportError
 
 __all__ = [
@@ -93,7 +94,9 @@ _INVALID_HANDSHAKE: Final = "code-mode host returned an invalid handshake respon
 #: C6 prefix
 BULK_UNAVAILABLE: Final = "code-mode host bulk connection is unavailable: "
 
-_DECODER: Final[MessageDecoder[HostToClient]] = MessageDecoder(HostToClient)
+_DECODERS: Final[dict[WireRevision, MessageDecoder[HostToClient]]] = {
+    revision: MessageDecoder(HostToClient, revision) for revision in WireRevision
+}
 _NOOP_DELEGATE: Final = NoopCodeModeSessionDelegate()
 
 T = TypeVar("T")
@@ -117,7 +120,9 @@ class V1ClientConnection:
 
     Create it with :func:`connect_v1` (or construct, then :meth:`handshake` and :meth:`start`).
     ``eof_reason`` decides the failure reason of a clean end of stream (a process-owned host
-    reports its exit status, K2). Once the connection fails it stays dead: :meth:`is_alive` is
+    reports its exit status, K2). ``wire_revision`` is the shape runtime responses must have
+    (``pinned``: V1 as pinned; ``latest``: upstream 0.164+ with timing fields; decision 0007).
+    Once the connection fails it stays dead: :meth:`is_alive` is
     false and every later operation raises :class:`~codemode.errors.ConnectionClosed` with the
     first recorded reason.
     """
@@ -128,7 +133,10 @@ class V1ClientConnection:
         *,
         dual: bool = False,
         eof_reason: EofReason | None = None,
+        wire_revision: WireRevision | str = WireRevision.PINNED,
     ) -> None:
+        self.wire_revision = WireRevision(wire_revision)
+        self._decoder = _DECODERS[self.wire_revision]
         self._transport = transport
         self._dual_hello = dual
         self._eof_reason = eof_reason or _connection_closed
@@ -187,7 +195,7 @@ class V1ClientConnection:
             raise CodeModeError(HANDSHAKE_EXITED)
         payload, lane = item
         try:
-            reply = _DECODER.decode(payload)
+            reply = self._decoder.decode(payload)
         except FrameError as error:
             raise CodeModeError(_INVALID_HANDSHAKE + error.message) from None
         if transport.dual and lane is not Lane.CONTROL:
@@ -506,7 +514,7 @@ class V1ClientConnection:
                     break
                 payload, lane = item
                 try:
-                    message = _DECODER.decode(payload)
+                    message = self._decoder.decode(payload)
                 except FrameError as error:
                     reason = read_failed(error.message)
                     break
@@ -722,13 +730,17 @@ async def connect_v1(
     handshake_timeout: float = HANDSHAKE_TIMEOUT,
     open_bulk: OpenBulk | None = None,
     eof_reason: EofReason | None = None,
+    wire_revision: WireRevision | str = WireRevision.PINNED,
 ) -> V1ClientConnection:
     """Handshake over ``transport`` and start the reader; the entry point for every carrier.
 
     ``dual`` lists ``dual-websocket-v1`` in the hello; when the host grants it, ``open_bulk(token)``
-    must open the bulk socket (C6 otherwise).
+    must open the bulk socket (C6 otherwise). ``wire_revision`` (``pinned`` or ``latest``) is the
+    shape of runtime responses accepted from the host; the handshake is the same in both.
     """
-    connection = V1ClientConnection(transport, dual=dual, eof_reason=eof_reason)
+    connection = V1ClientConnection(
+        transport, dual=dual, eof_reason=eof_reason, wire_revision=wire_revision
+    )
     await connection.handshake(timeout=handshake_timeout, open_bulk=open_bulk)
     connection.start()
     return connection

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final, TypeVar
 
 from codemode.errors import CodeModeError, FrameError, ProtocolError
@@ -30,7 +31,13 @@ from codemode.protocol.session import (
     CodeModeSessionDelegate,
     CodeModeSessionProvider,
 )
-from codemode.protocol.types import JSON, CellId, CodeModeNestedToolCall
+from codemode.protocol.types import (
+    JSON,
+    CellId,
+    CodeModeNestedToolCall,
+    RuntimeResponse,
+    WaitOutcome,
+)
 from codemode.protocol.v1.codec import MessageDecoder, encode_frame
 from codemode.protocol.v1.conversions import nested_tool_call_to_wire
 from codemode.protocol.v1.host_state import (
@@ -64,6 +71,7 @@ from codemode.protocol.v1.messages import (
     WireOk,
     message_type,
 )
+from codemode.protocol.v1.revision import WireRevision
 from codemode.transports.base import FrameTransport, TransportError
 
 __all__ = ["HostOptions", "serve_v1_connection"]
@@ -82,11 +90,15 @@ CLIENT_CLOSED: Final = "code-mode client connection closed"
 
 @dataclass(frozen=True, slots=True)
 class HostOptions:
-    """Limits and capabilities of a V1 host (``codemode host`` flags of the same names)."""
+    """Limits, capabilities and wire revision of a V1 host (``codemode host`` flags of the same
+    names). With ``wire_revision=latest`` runtime responses carry ``code_mode_host_duration_ns``
+    (measured here, from the request's arrival to its answer) and ``result_buffered_for_ns``
+    (what the session reports: how long a completion waited for its observer)."""
 
     max_in_flight_requests: int = DEFAULT_MAX_IN_FLIGHT_REQUESTS
     max_active_cells: int = DEFAULT_MAX_ACTIVE_CELLS
     capabilities: frozenset[str] = frozenset({SESSION_RESOURCE_LIMITS_CAPABILITY})
+    wire_revision: WireRevision = WireRevision.PINNED
 
 
 class _HostDelegate(CodeModeSessionDelegate):
@@ -147,6 +159,7 @@ class _ServedConnection:
         self._background: set[asyncio.Task[Any]] = set()
         self._ended = False
         self.failure: str | None = None
+        self._timed = state.wire_revision is WireRevision.LATEST
 
     # -- writing -----------------------------------------------------------------------------------
 
@@ -238,11 +251,11 @@ class _ServedConnection:
             elif isinstance(action, OpenSession):
                 self._spawn(action.request_id, self._open(action))
             elif isinstance(action, StartExecute):
-                self._spawn(action.request_id, self._execute(action))
+                self._spawn(action.request_id, self._execute(action, time.monotonic_ns()))
             elif isinstance(action, StartWait):
-                self._spawn(action.request_id, self._wait(action))
+                self._spawn(action.request_id, self._wait(action, time.monotonic_ns()))
             elif isinstance(action, StartTerminate):
-                self._spawn(action.request_id, self._terminate(action))
+                self._spawn(action.request_id, self._terminate(action, time.monotonic_ns()))
             elif isinstance(action, StartShutdown):
                 self._spawn(action.request_id, self._shutdown(action))
 
@@ -317,7 +330,18 @@ class _ServedConnection:
         self._send_all(self._state.operation_failed(request_id, message))
         return None
 
-    async def _execute(self, action: StartExecute) -> None:
+    def _timed_response(self, response: RuntimeResponse, since_ns: int) -> RuntimeResponse:
+        """``response`` with the host-side duration of its operation (``latest`` only)."""
+        if not self._timed:
+            return response
+        return replace(response, host_duration_ns=time.monotonic_ns() - since_ns)
+
+    def _timed_outcome(self, outcome: WaitOutcome, since_ns: int) -> WaitOutcome:
+        if not self._timed:
+            return outcome
+        return type(outcome)(self._timed_response(outcome.response, since_ns))
+
+    async def _execute(self, action: StartExecute, since_ns: int) -> None:
         request_id = action.request_id
         started = await self._run_cancellable(
             request_id, action.session_id, lambda session: session.execute(action.request)
@@ -335,22 +359,25 @@ class _ServedConnection:
         except CodeModeError as error:
             self._send_all(self._state.operation_failed(request_id, error.message))
             return
+        response = self._timed_response(response, since_ns)
         self._send_all(self._state.initial_response(request_id, response))
 
-    async def _wait(self, action: StartWait) -> None:
+    async def _wait(self, action: StartWait, since_ns: int) -> None:
         outcome = await self._run_cancellable(
             action.request_id, action.session_id, lambda session: session.wait(action.request)
         )
         if outcome is not None:
+            outcome = self._timed_outcome(outcome, since_ns)
             self._send_all(self._state.wait_completed(action.request_id, outcome))
 
-    async def _terminate(self, action: StartTerminate) -> None:
+    async def _terminate(self, action: StartTerminate, since_ns: int) -> None:
         try:
             session = await self._session(action.session_id)
             outcome = await session.terminate(action.cell_id)
         except CodeModeError as error:
             self._send_all(self._state.operation_failed(action.request_id, error.message))
             return
+        outcome = self._timed_outcome(outcome, since_ns)
         self._send_all(self._state.wait_completed(action.request_id, outcome))
 
     async def _shutdown(self, action: StartShutdown) -> None:
@@ -458,6 +485,7 @@ async def serve_v1_connection(
         capabilities=capabilities,
         max_in_flight_requests=options.max_in_flight_requests,
         max_active_cells=options.max_active_cells,
+        wire_revision=options.wire_revision,
     )
     try:
         first = await transport.receive()

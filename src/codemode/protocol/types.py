@@ -141,12 +141,20 @@ class WaitRequest:
     yield_time_ms: int
 
 
+# Timing (the ``latest`` wire revision, docs/decisions/0007-wire-revisions.md): ``host_duration_ns``
+# is the host's ``code_mode_host_duration_ns`` (how long the host spent on the operation that
+# answered), ``result_buffered_for_ns`` how long a completed result waited before delivery. Both
+# are ``None`` when the carrier does not report them (the embedded runtime, V1 as pinned), and
+# neither takes part in equality: they describe a delivery, not the cell's outcome.
+
+
 @dataclass(frozen=True, slots=True)
 class Yielded:
     """The cell is still running; these items were produced since the last observation."""
 
     cell_id: CellId
     content_items: list[ContentItem] = field(default_factory=list)
+    host_duration_ns: int | None = field(default=None, compare=False, kw_only=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +163,7 @@ class Terminated:
 
     cell_id: CellId
     content_items: list[ContentItem] = field(default_factory=list)
+    host_duration_ns: int | None = field(default=None, compare=False, kw_only=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +173,8 @@ class Result:
     cell_id: CellId
     content_items: list[ContentItem] = field(default_factory=list)
     error_text: str | None = None
+    host_duration_ns: int | None = field(default=None, compare=False, kw_only=True)
+    result_buffered_for_ns: int | None = field(default=None, compare=False, kw_only=True)
 
 
 RuntimeResponse: TypeAlias = Yielded | Terminated | Result

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Coroutine
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Final
@@ -108,6 +109,7 @@ class Cell:
         self._session = session
         self._engine = engine
         self._buffered = 0
+        self._completed_at = 0  # when the completion became ready (monotonic ns)
         self._loop = asyncio.get_running_loop()
         self._call_id = call_id
         self._tools = tools
@@ -193,7 +195,11 @@ class Cell:
             self._items[:0] = response.content_items
 
     def _completion(self) -> Result:
-        return Result(self.cell_id, self._drain(), self._error_text)
+        # How long the completion waited for an observer (0 when one was attached).
+        buffered = 0 if self._completed_at == 0 else time.monotonic_ns() - self._completed_at
+        return Result(
+            self.cell_id, self._drain(), self._error_text, result_buffered_for_ns=buffered
+        )
 
     # -- engine events ---------------------------------------------------------------------------
 
@@ -358,7 +364,9 @@ class Cell:
         self._error_text = error
         self._state = _State.COMPLETED
         if self._observer is not None:
-            self._deliver(self._completion())
+            self._deliver(self._completion())  # nobody waited for it: buffered 0
+        else:
+            self._completed_at = time.monotonic_ns()
 
     async def _settle_calls(self) -> None:
         tasks = self._cancel(dict(self._calls.values()))

@@ -23,6 +23,7 @@ from codemode.protocol.v1.handshake import (
 )
 from codemode.protocol.v1.lanes import Lane, allows_lane, bulk_url, lane_of
 from codemode.protocol.v1.messages import WIRE_TYPES, ClientToHost, HostToClient
+from codemode.protocol.v1.revision import WireRevision
 
 __all__ = [
     "EOF",
@@ -34,6 +35,7 @@ __all__ = [
     "Lane",
     "MessageDecoder",
     "Negotiated",
+    "WireRevision",
     "allows_lane",
     "bulk_url",
     "check_handshake_reply",

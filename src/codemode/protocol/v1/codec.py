@@ -21,6 +21,7 @@ from codemode.protocol.strict_json import (
     loads_large,
 )
 from codemode.protocol.v1.messages import BLANK_IDENTIFIER_ERROR, IDENTIFIER_MUST_NOT_BE_EMPTY
+from codemode.protocol.v1.revision import WireRevision, check_revision
 
 __all__ = [
     "EOF",
@@ -76,14 +77,16 @@ class MessageDecoder(Generic[M]):
     """Decodes one payload as wire type ``M`` (or any JSON value) under the strict rules.
 
     Raises :class:`FrameError` with kind ``invalid_json`` when the text is not strict JSON and
-    ``invalid_message`` when it is JSON but not a valid ``M``.
+    ``invalid_message`` when it is JSON but not a valid ``M``. Runtime response bodies must have
+    the shape of ``revision`` (default: V1 as pinned, no timing fields).
     """
 
-    __slots__ = ("_decoder", "_type", "_typed")
+    __slots__ = ("_decoder", "_revision", "_type", "_typed")
 
-    def __init__(self, wire_type: Any = Any) -> None:
+    def __init__(self, wire_type: Any = Any, revision: WireRevision = WireRevision.PINNED) -> None:
         self._type = wire_type
         self._typed = wire_type is not Any
+        self._revision = WireRevision(revision)
         self._decoder: msgspec.json.Decoder[M] = msgspec.json.Decoder(wire_type)
 
     def decode(self, data: bytes | bytearray, start: int = 0, end: int | None = None) -> M:
@@ -117,6 +120,18 @@ class MessageDecoder(Generic[M]):
                 check_no_duplicate_keys(payload, message)
             except JSONError as error:
                 raise FrameError(FrameErrorKind.INVALID_JSON, _DECODE_PREFIX + str(error)) from None
+        return self._check_revision(message)
+
+    @property
+    def revision(self) -> WireRevision:
+        """The wire revision runtime responses must have."""
+        return self._revision
+
+    def _check_revision(self, message: M) -> M:
+        if self._typed:
+            detail = check_revision(message, self._revision)
+            if detail is not None:
+                raise FrameError(FrameErrorKind.INVALID_MESSAGE, _DECODE_PREFIX + detail)
         return message
 
     def _decode_large(self, payload: bytes) -> M:
@@ -129,11 +144,12 @@ class MessageDecoder(Generic[M]):
         if not self._typed:
             return value  # type: ignore[no-any-return]
         try:
-            return msgspec.convert(value, self._type)  # type: ignore[no-any-return]
+            message: M = msgspec.convert(value, self._type)
         except msgspec.ValidationError as error:
             raise FrameError(
                 FrameErrorKind.INVALID_MESSAGE, _DECODE_PREFIX + _validation_detail(error)
             ) from None
+        return self._check_revision(message)
 
 
 def _check_json(payload: bytes | bytearray) -> None:

@@ -48,6 +48,7 @@ from codemode.protocol.v1.messages import (
     WireWaitRequest,
     WireYielded,
 )
+from codemode.protocol.v1.revision import WireRevision
 
 __all__ = [
     "content_item_to_domain",
@@ -178,32 +179,56 @@ def content_item_to_domain(item: WireContentItem) -> ContentItem:
     return InputAudio(item.audio_url)
 
 
-def runtime_response_to_wire(response: RuntimeResponse) -> WireRuntimeResponse:
-    """Convert a runtime response to its externally tagged wire form."""
+def runtime_response_to_wire(
+    response: RuntimeResponse, revision: WireRevision = WireRevision.PINNED
+) -> WireRuntimeResponse:
+    """Convert a runtime response to its externally tagged wire form.
+
+    ``pinned`` writes no timing field. ``latest`` writes both of its fields; a timing the
+    response does not carry is written as 0, and one that does not fit a u64 is out of range.
+    """
     cell_id = response.cell_id.value
     items = [content_item_to_wire(item) for item in response.content_items]
+    latest = revision is WireRevision.LATEST
+    duration = _timing(response.host_duration_ns) if latest else UNSET
     if isinstance(response, Result):
-        return WireRuntimeResponse(result=WireResultBody(cell_id, items, response.error_text))
+        buffered = _timing(response.result_buffered_for_ns) if latest else UNSET
+        body = WireResultBody(cell_id, items, response.error_text, buffered, duration)
+        return WireRuntimeResponse(result=body)
     if isinstance(response, Yielded):
-        return WireRuntimeResponse(yielded=WireYielded(cell_id, items))
-    return WireRuntimeResponse(terminated=WireTerminated(cell_id, items))
+        return WireRuntimeResponse(yielded=WireYielded(cell_id, items, duration))
+    return WireRuntimeResponse(terminated=WireTerminated(cell_id, items, duration))
+
+
+def _timing(value: int | None) -> int:
+    return 0 if value is None else _in_range(value, 0, U64_MAX)
 
 
 def runtime_response_to_domain(response: WireRuntimeResponse) -> RuntimeResponse:
-    """Convert a wire runtime response."""
+    """Convert a wire runtime response (timing fields, when present, are kept)."""
     body = response.body
     cell_id = CellId(body.cell_id)
     items = [content_item_to_domain(item) for item in body.content_items]
+    duration = None if body.code_mode_host_duration_ns is UNSET else body.code_mode_host_duration_ns
     if isinstance(body, WireResultBody):
-        return Result(cell_id, items, body.error_text)
+        buffered = None if body.result_buffered_for_ns is UNSET else body.result_buffered_for_ns
+        return Result(
+            cell_id,
+            items,
+            body.error_text,
+            host_duration_ns=duration,
+            result_buffered_for_ns=buffered,
+        )
     if isinstance(body, WireYielded):
-        return Yielded(cell_id, items)
-    return Terminated(cell_id, items)
+        return Yielded(cell_id, items, host_duration_ns=duration)
+    return Terminated(cell_id, items, host_duration_ns=duration)
 
 
-def wait_outcome_to_wire(outcome: WaitOutcome) -> WireWaitOutcome:
-    """Convert a wait outcome."""
-    response = runtime_response_to_wire(outcome.response)
+def wait_outcome_to_wire(
+    outcome: WaitOutcome, revision: WireRevision = WireRevision.PINNED
+) -> WireWaitOutcome:
+    """Convert a wait outcome (its response in ``revision``'s shape)."""
+    response = runtime_response_to_wire(outcome.response, revision)
     if isinstance(outcome, LiveCell):
         return WireWaitOutcome(live_cell=response)
     return WireWaitOutcome(missing_cell=response)

@@ -73,6 +73,7 @@ from codemode.protocol.v1.messages import (
     WireOk,
 )
 from codemode.protocol.v1.recent import RecentIds
+from codemode.protocol.v1.revision import WireRevision
 
 __all__ = [
     "CANCELLED",
@@ -232,8 +233,11 @@ class HostConnection:
         max_in_flight_requests: int = DEFAULT_MAX_IN_FLIGHT_REQUESTS,
         max_active_cells: int = DEFAULT_MAX_ACTIVE_CELLS,
         new_token: Callable[[], str] = lambda: secrets.token_urlsafe(24),
+        wire_revision: WireRevision = WireRevision.PINNED,
     ) -> None:
         self._capabilities = frozenset(capabilities)
+        #: The shape runtime responses are written in (``latest`` adds the timing fields).
+        self.wire_revision = WireRevision(wire_revision)
         self._max_in_flight = max_in_flight_requests
         self._max_active_cells = max_active_cells
         self._new_token = new_token
@@ -427,7 +431,7 @@ class HostConnection:
         result = (
             WireError(error or "")
             if response is None
-            else WireOk(runtime_response_to_wire(response))
+            else WireOk(runtime_response_to_wire(response, self.wire_revision))
         )
         sends = [Send(ExecuteInitialResponse(request_id, result))]
         return sends + self._answered_cell(request)
@@ -437,7 +441,8 @@ class HostConnection:
         request = self._finish(request_id)
         if request is None:
             return []
-        sends = [self._answer(request_id, WaitCompleted(wait_outcome_to_wire(outcome)))]
+        wire = wait_outcome_to_wire(outcome, self.wire_revision)
+        sends = [self._answer(request_id, WaitCompleted(wire))]
         return sends + self._answered_cell(request)
 
     def session_shut_down(self, request_id: int) -> list[Send]:

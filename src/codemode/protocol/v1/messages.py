@@ -292,11 +292,20 @@ class WireInputAudio(_Snake, frozen=True, tag="input_audio", tag_field="type"):
 WireContentItem: TypeAlias = WireInputText | WireInputImage | WireInputAudio
 
 
+# The timing fields of the ``latest`` wire revision (``protocol-v1.md`` §0: upstream 0.152+ and
+# 0.164+). They are UNSET in V1 as pinned; which revision a decoder accepts is checked after
+# decoding (:func:`codemode.protocol.v1.revision.check_revision`), never loosened here.
+
+
 class WireYielded(_Snake, frozen=True):
     """Body of ``{"Yielded": ...}``."""
 
     cell_id: str
     content_items: list[WireContentItem]
+    code_mode_host_duration_ns: U64 | UnsetType = UNSET
+
+    def __post_init__(self) -> None:
+        _check_u64(self.code_mode_host_duration_ns, "code_mode_host_duration_ns")
 
 
 class WireTerminated(_Snake, frozen=True):
@@ -304,14 +313,24 @@ class WireTerminated(_Snake, frozen=True):
 
     cell_id: str
     content_items: list[WireContentItem]
+    code_mode_host_duration_ns: U64 | UnsetType = UNSET
+
+    def __post_init__(self) -> None:
+        _check_u64(self.code_mode_host_duration_ns, "code_mode_host_duration_ns")
 
 
 class WireResultBody(_Snake, frozen=True):
-    """Body of ``{"Result": ...}``."""
+    """Body of ``{"Result": ...}`` (the timing fields in the order upstream writes them)."""
 
     cell_id: str
     content_items: list[WireContentItem]
     error_text: str | None
+    result_buffered_for_ns: U64 | UnsetType = UNSET
+    code_mode_host_duration_ns: U64 | UnsetType = UNSET
+
+    def __post_init__(self) -> None:
+        _check_u64(self.result_buffered_for_ns, "result_buffered_for_ns")
+        _check_u64(self.code_mode_host_duration_ns, "code_mode_host_duration_ns")
 
 
 def _exactly_one(values: tuple[object, ...], names: str) -> None:
