@@ -8,6 +8,8 @@ reason (also listed in ``docs/interop.md``).
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from codemode.client import ProcessOwnedCodeModeSessionProvider
@@ -19,9 +21,10 @@ from codemode.protocol import (
     InputText,
     RuntimeResponse,
 )
+from codemode.protocol.v1.revision import WireRevision
 from codemode.runtime import LocalSessionProvider
 from tests.contract.delegate import FIXTURE_TOOLS, RecordingDelegate
-from tests.upstream import unavailable_reason, upstream_host
+from tests.upstream import DEFAULT_VERSION, LATEST_VERSION, unavailable_reason, upstream_host
 
 CELLS = [
     'text(1); text("a"); text(true); text(null); text(undefined); text(10n); text(1.5e300); text(-0); text(NaN)',
@@ -105,17 +108,31 @@ CELLS = [
     "text(JSON.stringify(load))",
 ]
 
-#: Cells whose results differ on purpose or by release (cell → why).
+_PLACE = "our syntax errors name their place (exec_main.mjs:LINE:COL)"
+_BODY = "a cell runs as a function body here"
+
+#: Cells whose results differ on purpose (cell → why), on every release checked.
 DIFFERENCES: dict[str, str] = {
-    "store();": "0.149.0 throws `failed to serialize JavaScript value: …`; runtime.md §6 pins the "
-    "later releases' `Unable to store …`",
-    "const x = ;": "our syntax errors name their place (exec_main.mjs:LINE:COL)",
-    "let let = 1": "our syntax errors name their place (exec_main.mjs:LINE:COL)",
-    "return 5": "our syntax errors name their place (exec_main.mjs:LINE:COL)",
-    "export const q = 1": "a cell runs as a function body here, so `export` is a syntax error",
-    "text(typeof arguments)": "a cell runs as a function body here, so `arguments` exists",
-    "await tools.echo(() => 1)": "runtime.md §4.3: a function argument means no input; 0.149.0 "
-    "throws `failed to serialize JavaScript value: …`",
+    "const x = ;": _PLACE,
+    "let let = 1": _PLACE,
+    "return 5": _PLACE,
+    "export const q = 1": _BODY + ", so `export` is a syntax error",
+    "text(typeof arguments)": _BODY + ", so `arguments` exists",
+}
+
+#: Differences of one release only (release → cell → why).
+RELEASE_DIFFERENCES: dict[str, dict[str, str]] = {
+    DEFAULT_VERSION: {
+        "store();": "0.149.0 throws `failed to serialize JavaScript value: …`; runtime.md §6 pins "
+        "the later releases' `Unable to store …`",
+    },
+    LATEST_VERSION: {
+        'text(Object.keys(globalThis).join(","))': "0.171.0 adds globals the pinned spec does not "
+        "have (content, as_settled, stream_settled)",
+        'text(Object.getOwnPropertyNames(globalThis).filter(n => !/^[A-Z]/.test(n)).sort().join(","))': (
+            "0.171.0 adds globals the pinned spec does not have (content, as_settled, stream_settled)"
+        ),
+    },
 }
 
 Outcome = tuple[str, list[str], str | None]
@@ -152,31 +169,31 @@ async def run_all(provider: CodeModeSessionProvider) -> list[Outcome]:
 
 
 @pytest.fixture(scope="module")
-def upstream() -> str:
-    binary = upstream_host()
-    if binary is None:
-        pytest.skip(unavailable_reason())
-    return str(binary)
+def ours() -> list[Outcome]:
+    async def collect() -> list[Outcome]:
+        async with LocalSessionProvider() as provider:
+            return await run_all(provider)
 
-
-@pytest.fixture
-async def both(upstream: str) -> tuple[list[Outcome], list[Outcome]]:
-    async with LocalSessionProvider() as ours:
-        mine = await run_all(ours)
-    async with ProcessOwnedCodeModeSessionProvider([upstream, "--listen", "stdio"]) as theirs:
-        reference = await run_all(theirs)
-    return mine, reference
+    return asyncio.run(collect())
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("version", [DEFAULT_VERSION, LATEST_VERSION])
 async def test_cells_read_the_same_as_on_the_upstream_host(
-    both: tuple[list[Outcome], list[Outcome]],
+    version: str, ours: list[Outcome]
 ) -> None:
-    mine, reference = both
+    binary = upstream_host(version)
+    if binary is None:
+        pytest.skip(unavailable_reason(version))
+    revision = WireRevision.PINNED if version == DEFAULT_VERSION else WireRevision.LATEST
+    command = [str(binary), "--listen", "stdio"]
+    async with ProcessOwnedCodeModeSessionProvider(command, wire_revision=revision) as provider:
+        reference = await run_all(provider)
+    expected = {**DIFFERENCES, **RELEASE_DIFFERENCES[version]}
     unexpected = []
-    for source, ours, theirs in zip(CELLS, mine, reference, strict=True):
-        if source in DIFFERENCES:
-            assert ours != theirs, f"now equal, drop it from DIFFERENCES: {source!r}"
-        elif ours != theirs:
-            unexpected.append(f"{source!r}:\n  ours   {ours!r}\n  theirs {theirs!r}")
+    for source, mine, theirs in zip(CELLS, ours, reference, strict=True):
+        if source in expected:
+            assert mine != theirs, f"now equal on {version}, drop it: {source!r}"
+        elif mine != theirs:
+            unexpected.append(f"{source!r}:\n  ours   {mine!r}\n  theirs {theirs!r}")
     assert not unexpected, "\n".join(unexpected)

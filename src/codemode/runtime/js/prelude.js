@@ -438,7 +438,12 @@
   function makeTool(index) {
     return function (...args) {
       // JSON round trip of the argument; a throw here happens before any promise exists.
-      const input = args.length === 0 ? undefined : stringify(args[0]);
+      const argument = args[0];
+      if (typeof argument === 'function' || typeof argument === 'symbol') {
+        // What the upstream host does (both releases checked), against runtime.md §4.3's text.
+        throw 'failed to serialize JavaScript value: expected value at line 1 column 1';
+      }
+      const input = args.length === 0 ? undefined : stringify(argument);
       if (input !== undefined && input.length > MAX_TOOL_INPUT_CHARS) {
         throw 'tool input of ' + input.length + ' characters exceeds the limit of ' + MAX_TOOL_INPUT_CHARS + ' characters';
       }
