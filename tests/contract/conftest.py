@@ -112,12 +112,8 @@ class StdioHarness:
 
         provider = self._providers.get(store_load)
         if provider is None:
-            command = [sys.executable, "-m", "codemode", "host", "--stdio"]
-            command += ["--wire-revision", self.wire_revision.value]
-            if not store_load:
-                command.append("--no-store-load")
             provider = ProcessOwnedCodeModeSessionProvider(
-                command, wire_revision=self.wire_revision
+                self.command(store_load), wire_revision=self.wire_revision
             )
             self._providers[store_load] = provider
         session = await provider.create_session_with_limits(
@@ -125,6 +121,14 @@ class StdioHarness:
         )
         self._sessions.append(session)
         return session
+
+    def command(self, store_load: bool) -> list[str]:
+        """The host to spawn (skips the test where it cannot run)."""
+        command = [sys.executable, "-m", "codemode", "host", "--stdio"]
+        command += ["--wire-revision", self.wire_revision.value]
+        if not store_load:
+            command.append("--no-store-load")
+        return command
 
     async def aclose(self) -> None:
         for session in self._sessions:
@@ -149,33 +153,15 @@ class UpstreamHarness(StdioHarness):
     max_pending_callbacks: int | None = MAX_PENDING_DELEGATE_CALLS
     version = DEFAULT_VERSION
 
-    async def session(
-        self,
-        delegate: CodeModeSessionDelegate | None = None,
-        *,
-        limits: CodeModeSessionCellExecutionLimits | None = None,
-        store_load: bool = True,
-    ) -> CodeModeSession:
-        from codemode.client import ProcessOwnedCodeModeSessionProvider
+    def command(self, store_load: bool) -> list[str]:
         from tests.upstream import unavailable_reason, upstream_host
 
         if not store_load:
             pytest.skip("the upstream host has no switch to leave out store/load")
-        provider = self._providers.get(store_load)
-        if provider is None:
-            binary = upstream_host(self.version)
-            if binary is None:
-                pytest.skip(unavailable_reason(self.version))
-            command = [str(binary), "--listen", "stdio"]
-            provider = ProcessOwnedCodeModeSessionProvider(
-                command, wire_revision=self.wire_revision
-            )
-            self._providers[store_load] = provider
-        session = await provider.create_session_with_limits(
-            delegate or RecordingDelegate(), limits or CodeModeSessionCellExecutionLimits()
-        )
-        self._sessions.append(session)
-        return session
+        binary = upstream_host(self.version)
+        if binary is None:
+            pytest.skip(unavailable_reason(self.version))
+        return [str(binary), "--listen", "stdio"]
 
     async def aclose(self) -> None:
         # A host that died or wedged (the DIVERGENCES above) fails the shutdown of its sessions
