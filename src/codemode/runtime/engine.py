@@ -42,6 +42,7 @@ DEFAULT_MEMORY_CAP_BYTES: Final = 2 * 1024 * 1024 * 1024
 MAX_ENGINE_FRAME_BYTES: Final = 256 * 1024 * 1024
 _ENCODER: Final = msgspec.json.Encoder()
 _reported = False  # the confinement layers are logged once per process
+_addons: dict[str, Path] = {}  # node binary -> its isolated-vm directory
 
 
 def find_node() -> str:
@@ -280,7 +281,9 @@ class NodeEngine:
 
         loop = asyncio.get_running_loop()
         node = self._node or find_node()
-        addon = await asyncio.to_thread(ensure_isolated_vm, node)
+        addon = _addons.get(node)
+        if addon is None:  # once per process: it may have to fetch
+            addon = _addons[node] = await asyncio.to_thread(ensure_isolated_vm, node)
         report = self.confinement = confinement.probe()
         global _reported
         if not _reported:

@@ -10,27 +10,29 @@ directory to use instead (offline installs).
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import fcntl
-import hashlib
 import logging
 import os
 import shutil
-import subprocess
 import tarfile
 import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Final
 
 from codemode.errors import CodeModeError
+from codemode.runtime.npm import (
+    PackageFetchError,
+    cache_dir,
+    fetch_lock,
+    npm_command,
+    pack_verified,
+)
 
-__all__ = ["INTEGRITY", "VERSION", "EngineSetupError", "cache_dir", "ensure_isolated_vm"]
+__all__ = ["INTEGRITY", "VERSION", "EngineSetupError", "ensure_isolated_vm"]
 
 #: The pinned release and its npm integrity (sha512 of the tarball).
 VERSION: Final = "7.0.1"
 INTEGRITY: Final = "sha512-nBCQ1hXEaYKYJ79wwfhaF44ITOJC30Hw0wPEsFeNsdD3hdeKK7FW1SGMQYBUA+qasvkqdOazI+iBuq0lcbN/aw=="
-FETCH_TIMEOUT: Final = 300.0
 _KEEP: Final = ("package.json", "LICENSE", "prebuilds/")
 
 logger = logging.getLogger("codemode.runtime")
@@ -38,15 +40,6 @@ logger = logging.getLogger("codemode.runtime")
 
 class EngineSetupError(CodeModeError):
     """The engine's addon could not be found or fetched; the message says what to do."""
-
-
-def cache_dir() -> Path:
-    """Where fetched engine parts live: ``$CODEMODE_CACHE_DIR`` or the user's cache directory."""
-    configured = os.environ.get("CODEMODE_CACHE_DIR")
-    if configured:
-        return Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "codemode"
 
 
 def _usable(directory: Path) -> bool:
@@ -67,25 +60,16 @@ def ensure_isolated_vm(node: str) -> Path:
     target = cache_dir() / f"isolated-vm-{VERSION}"
     if _usable(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one fetch at a time, across processes
+    with fetch_lock(target.parent):
         if not _usable(target):
-            _fetch(node, target)
+            try:
+                _fetch(node, target)
+            except PackageFetchError as error:
+                raise EngineSetupError(
+                    f"cannot fetch isolated-vm@{VERSION}: {error.message}; set "
+                    "CODEMODE_ISOLATED_VM to an unpacked copy of the package to run offline"
+                ) from None
     return target
-
-
-def _npm(node: str) -> list[str]:
-    cli = Path(node).resolve().parent.parent / "lib" / "node_modules" / "npm" / "bin" / "npm-cli.js"
-    if cli.is_file():
-        return [node, str(cli)]
-    found = shutil.which("npm")
-    if found is None:
-        raise EngineSetupError(
-            f"cannot fetch isolated-vm@{VERSION}: no npm found next to {node} or on PATH; "
-            "set CODEMODE_ISOLATED_VM to an unpacked copy of the package"
-        )
-    return [found]
 
 
 def _fetch(node: str, target: Path) -> None:
@@ -94,34 +78,9 @@ def _fetch(node: str, target: Path) -> None:
         "fetching the engine addon isolated-vm@%s with npm (once) into %s", VERSION, target
     )
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as scratch:
-        command = [*_npm(node), "pack", f"isolated-vm@{VERSION}", "--silent"]
-        command += ["--pack-destination", scratch]
-        env = dict(os.environ)
-        env["PATH"] = str(Path(node).parent) + os.pathsep + env.get("PATH", "")
-        try:
-            subprocess.run(
-                command,
-                cwd=scratch,
-                env=env,
-                check=True,
-                capture_output=True,
-                timeout=FETCH_TIMEOUT,
-            )
-        except (OSError, subprocess.SubprocessError) as error:
-            detail = getattr(error, "stderr", b"") or b""
-            raise EngineSetupError(
-                f"cannot fetch isolated-vm@{VERSION} with npm: {error} "
-                f"{detail.decode('utf-8', 'replace').strip()}".strip()
-            ) from None
-        tarball = Path(scratch) / f"isolated-vm-{VERSION}.tgz"
-        if not tarball.is_file():
-            raise EngineSetupError(f"npm pack did not produce {tarball.name}")
-        digest = hashlib.sha512(tarball.read_bytes()).digest()
-        actual = "sha512-" + base64.b64encode(digest).decode()
-        if actual != INTEGRITY:
-            raise EngineSetupError(
-                f"isolated-vm@{VERSION} failed its integrity check: expected {INTEGRITY}, got {actual}"
-            )
+        tarball = pack_verified(
+            npm_command(node), f"isolated-vm@{VERSION}", INTEGRITY, Path(scratch)
+        )
         unpacked = Path(scratch) / "unpacked"
         _extract(tarball, unpacked)
         with contextlib.suppress(FileNotFoundError):

@@ -23,7 +23,6 @@
   const PromiseCtor = Promise;
   const MapCtor = Map;
   const hasOwn = Object.hasOwn;
-  const freeze = Object.freeze;
   const defineProperty = Object.defineProperty;
   const toLower = (s) => StringOf.prototype.toLowerCase.call(s);
   const trim = (s) => StringOf.prototype.trim.call(s);
@@ -32,7 +31,6 @@
   const uncurry = Function.prototype.bind.bind(Function.prototype.call);
   const mapGet = uncurry(MapCtor.prototype.get);
   const mapSet = uncurry(MapCtor.prototype.set);
-  const mapHas = uncurry(MapCtor.prototype.has);
   const mapDelete = uncurry(MapCtor.prototype.delete);
   const mapEntries = uncurry(MapCtor.prototype.entries);
   const iteratorNext = uncurry(Object.getPrototypeOf(new MapCtor().entries()).next);
@@ -266,7 +264,6 @@
 
   // WAV clip shorter than 25 ms? (runtime.md §5.5) Reads the base64 text in place (a byte at a
   // time, only where the RIFF chunk headers are); not measurable -> false (keep the audio).
-  const B64 = 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/';
   function sextet(code) {
     if (code >= 65 && code <= 90) return code - 65;
     if (code >= 97 && code <= 122) return code - 71;
