@@ -42,9 +42,7 @@ from typing import Final
 from benchmarks.common import loop_source, only_text, percentile, progress, quiesce
 from codemode.protocol import (
     JSON,
-    CancellationToken,
     CodeModeNestedToolCall,
-    CodeModeSessionDelegate,
     CodeModeToolKind,
     ContentItem,
     ExecuteRequest,
@@ -53,6 +51,10 @@ from codemode.protocol import (
     Yielded,
 )
 from codemode.runtime import LocalSession, LocalSessionProvider, NodeEngine, find_node
+from codemode.session import (
+    CancellationToken,
+    CodeModeSessionDelegate,
+)
 
 TRIVIAL: Final = 'text("hi")'
 BLOCKED: Final = "await new Promise(() => {});"

@@ -11,7 +11,7 @@ one Markdown table. Three ways of serving the same cells, measured interleaved i
   and writes them back, driven from here by an asyncio subprocess with :func:`encode_frame` and
   :class:`FrameDecoder` (typed decode, like the client). The frame is the ``delegate/request`` the
   host sends for the benchmark's tool call. A second echo child runs the project's
-  :func:`stdio_transport` (the host's own carrier) and answers each frame it receives: the price
+  :func:`stdio_transport` (the host's own carrier) and writes back the bytes it reads: the price
   of one asyncio Python hop, as a diagnostic.
 
 Figures: nested tool call round trip (a cell awaiting ``tools.echo`` one call at a time; each
@@ -42,10 +42,7 @@ from benchmarks.common import loop_source, only_text, percentile, progress, quie
 from codemode.client import ProcessOwnedCodeModeSessionProvider, RemoteSession
 from codemode.protocol import (
     JSON,
-    CancellationToken,
     CodeModeNestedToolCall,
-    CodeModeSession,
-    CodeModeSessionDelegate,
     CodeModeToolKind,
     ExecuteRequest,
     ToolDefinition,
@@ -55,6 +52,11 @@ from codemode.protocol.v1 import NEED_DATA, FrameDecoder, MessageDecoder, encode
 from codemode.protocol.v1.conversions import nested_tool_call_to_wire
 from codemode.protocol.v1.messages import DelegateRequestMessage, HostToClient, ToolInvoke
 from codemode.runtime import LocalSession, LocalSessionProvider
+from codemode.session import (
+    CancellationToken,
+    CodeModeSession,
+    CodeModeSessionDelegate,
+)
 
 T = TypeVar("T")
 
@@ -96,13 +98,12 @@ while chunk := os.read(0, 1 << 16):
 #: The asyncio echo child: the host's carrier (``stdio_transport``) answering every frame.
 ASYNCIO_ECHO_CHILD: Final = """\
 import asyncio
-from codemode.protocol.v1 import into_framed_bytes
 from codemode.transports import stdio_transport
 
 async def main() -> None:
     transport = await stdio_transport()
     while (item := await transport.receive()) is not None:
-        transport.send(into_framed_bytes(item[0]))
+        transport.send(item[0])  # the bytes as read: whole frames go back unchanged
 
 asyncio.run(main())
 """

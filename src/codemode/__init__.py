@@ -3,16 +3,20 @@
 Run model-written JavaScript cells that call your tools back, in process or on a remote host.
 """
 
-from codemode.errors import CodeModeError, FrameError, ProtocolError, WireConversionError
+from codemode.errors import (
+    CodeModeError,
+    ConnectionClosed,
+    FrameError,
+    LocalProtocolError,
+    ProtocolError,
+    RemoteProtocolError,
+    WireConversionError,
+)
 from codemode.model import CodeMode, Tool, ToolRegistry, tool
 from codemode.protocol import (
-    CancellationToken,
     CellId,
     CodeModeNestedToolCall,
-    CodeModeSession,
     CodeModeSessionCellExecutionLimits,
-    CodeModeSessionDelegate,
-    CodeModeSessionProvider,
     CodeModeToolKind,
     ContentItem,
     ExecuteRequest,
@@ -22,11 +26,9 @@ from codemode.protocol import (
     InputText,
     LiveCell,
     MissingCell,
-    NoopCodeModeSessionDelegate,
     ParsedExecSource,
     Result,
     RuntimeResponse,
-    StartedCell,
     Terminated,
     ToolDefinition,
     ToolName,
@@ -34,6 +36,14 @@ from codemode.protocol import (
     WaitRequest,
     Yielded,
     parse_exec_source,
+)
+from codemode.session import (
+    CancellationToken,
+    CodeModeSession,
+    CodeModeSessionDelegate,
+    CodeModeSessionProvider,
+    NoopCodeModeSessionDelegate,
+    StartedCell,
 )
 
 __version__ = "0.1.0"
@@ -49,6 +59,7 @@ __all__ = [
     "CodeModeSessionDelegate",
     "CodeModeSessionProvider",
     "CodeModeToolKind",
+    "ConnectionClosed",
     "ContentItem",
     "ExecuteRequest",
     "FrameError",
@@ -57,10 +68,12 @@ __all__ = [
     "InputImage",
     "InputText",
     "LiveCell",
+    "LocalProtocolError",
     "MissingCell",
     "NoopCodeModeSessionDelegate",
     "ParsedExecSource",
     "ProtocolError",
+    "RemoteProtocolError",
     "Result",
     "RuntimeResponse",
     "StartedCell",

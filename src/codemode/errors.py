@@ -14,7 +14,9 @@ __all__ = [
     "ConnectionClosed",
     "FrameError",
     "FrameErrorKind",
+    "LocalProtocolError",
     "ProtocolError",
+    "RemoteProtocolError",
     "WireConversionError",
 ]
 
@@ -65,7 +67,15 @@ class FrameError(CodeModeError):
 
 
 class ProtocolError(CodeModeError):
-    """The peer broke the protocol; the connection cannot continue."""
+    """A protocol rule was broken; the subclass says by whom."""
+
+
+class LocalProtocolError(ProtocolError):
+    """This side misused a protocol machine, or ran out of its own resources (request ids)."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer broke the protocol; the connection cannot continue (the text is its reason)."""
 
 
 class ConnectionClosed(CodeModeError):

@@ -1,8 +1,10 @@
-"""A misbehaving stand-in for ``codemode host --stdio``: ``python scripted_host.py MODE [ARG]``.
+"""A misbehaving stand-in for ``codemode host --stdio``.
 
-Modes: ``exit-now STATUS`` (exit before the handshake), ``silent`` (never answer the hello),
-``exit-on-request STATUS`` (handshake, then exit at the first request), ``close-stdout`` (handshake,
-close stdout, linger), ``basic`` (grant nothing; answer open/shutdown; log to stderr).
+Run as ``python -m tests.client.scripted_host MODE [ARG]`` with the repository root on the path
+(``test_process.scripted`` does). Modes: ``exit-now STATUS`` (exit before the handshake),
+``silent`` (never answer the hello), ``exit-on-request STATUS`` (handshake, then exit at the first
+request), ``close-stdout`` (handshake, close stdout, linger), ``basic`` (grant nothing; answer
+open/shutdown; log to stderr).
 """
 
 from __future__ import annotations
@@ -10,12 +12,10 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
 
-from codemode.protocol.v1.codec import MessageDecoder, encode_frame
 from codemode.protocol.v1.messages import (
     ClientToHost,
-    ConnectionReady,
+    HostToClient,
     OperationRequest,
     OperationResponse,
     SessionClosed,
@@ -24,20 +24,16 @@ from codemode.protocol.v1.messages import (
     SessionShutdown,
     WireOk,
 )
-
-_DECODER: MessageDecoder[ClientToHost] = MessageDecoder(ClientToHost)
-
-
-def read() -> Any:
-    stdin = sys.stdin.buffer
-    prefix = stdin.read(4)
-    if len(prefix) < 4:
-        return None
-    return _DECODER.decode(stdin.read(int.from_bytes(prefix, "little")))
+from tests.wire import CLIENT_MESSAGES, frame, read_payload_blocking, ready
 
 
-def write(message: Any) -> None:
-    sys.stdout.buffer.write(encode_frame(message))
+def read() -> ClientToHost | None:
+    payload = read_payload_blocking(sys.stdin.buffer)
+    return None if payload is None else CLIENT_MESSAGES.decode(payload)
+
+
+def write(message: HostToClient) -> None:
+    sys.stdout.buffer.write(frame(message))
     sys.stdout.buffer.flush()
 
 
@@ -50,7 +46,7 @@ def main() -> int:
     if mode == "silent":
         time.sleep(60)
         return 0
-    write(ConnectionReady(1, ()))
+    write(ready(()))
     if mode == "close-stdout":
         sys.stdout.close()
         os.close(1)

@@ -28,13 +28,22 @@ from codemode.protocol import (
     WaitRequest,
     Yielded,
 )
+from codemode.protocol.constants import HANDSHAKE_TIMEOUT
 from tests.contract.delegate import BLOCK, ECHO, RecordingDelegate
 
-SCRIPT = str(Path(__file__).with_name("scripted_host.py"))
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def scripted(mode: str, *args: str) -> list[str]:
-    return [sys.executable, SCRIPT, mode, *args]
+def scripted(
+    mode: str, *, handshake_timeout: float = HANDSHAKE_TIMEOUT
+) -> ProcessOwnedCodeModeSessionProvider:
+    """A provider whose host is ``scripted_host`` in ``mode`` (``MODE ARG`` words)."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return ProcessOwnedCodeModeSessionProvider(
+        [sys.executable, "-m", "tests.client.scripted_host", *mode.split()],
+        env={**os.environ, "PYTHONPATH": path},
+        handshake_timeout=handshake_timeout,
+    )
 
 
 def group_gone(pgid: int) -> bool:
@@ -189,7 +198,7 @@ async def test_spawn_failure_is_c1() -> None:
 
 
 async def test_host_exiting_before_the_reply_is_c3() -> None:
-    provider = ProcessOwnedCodeModeSessionProvider(scripted("exit-now", "3"))
+    provider = scripted("exit-now 3")
     try:
         with pytest.raises(CodeModeError, match=r"^code-mode host exited during handshake$"):
             await provider.create_session(RecordingDelegate())
@@ -198,7 +207,7 @@ async def test_host_exiting_before_the_reply_is_c3() -> None:
 
 
 async def test_silent_host_is_c2_and_killed() -> None:
-    provider = ProcessOwnedCodeModeSessionProvider(scripted("silent"), handshake_timeout=0.3)
+    provider = scripted("silent", handshake_timeout=0.3)
     try:
         with pytest.raises(CodeModeError, match=r"^timed out negotiating with the code-mode host$"):
             await provider.create_session(RecordingDelegate())
@@ -211,7 +220,7 @@ async def test_silent_host_is_c2_and_killed() -> None:
 
 
 async def test_exit_status_is_k2() -> None:
-    provider = ProcessOwnedCodeModeSessionProvider(scripted("exit-on-request", "7"))
+    provider = scripted("exit-on-request 7")
     try:
         # The open itself is the first request: the host exits instead of answering.
         with pytest.raises(ConnectionClosed, match=r"^code-mode host exited with status 7$"):
@@ -221,7 +230,7 @@ async def test_exit_status_is_k2() -> None:
 
 
 async def test_closed_stdout_of_a_living_host_is_k1_and_the_host_is_killed() -> None:
-    provider = ProcessOwnedCodeModeSessionProvider(scripted("close-stdout"))
+    provider = scripted("close-stdout")
     try:
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -238,7 +247,7 @@ async def test_limits_not_granted_are_c7_and_stderr_is_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="codemode.client.process")
-    provider = ProcessOwnedCodeModeSessionProvider(scripted("basic"))
+    provider = scripted("basic")
     try:
         limits = CodeModeSessionCellExecutionLimits(max_heap_size_bytes=1 << 24)
         with pytest.raises(CodeModeError) as caught:
@@ -258,7 +267,7 @@ async def test_limits_not_granted_are_c7_and_stderr_is_logged(
 
 
 async def test_concurrent_first_use_spawns_one_host() -> None:
-    provider = ProcessOwnedCodeModeSessionProvider(scripted("basic"))
+    provider = scripted("basic")
     try:
         sessions = await asyncio.gather(
             *(provider.create_session(RecordingDelegate()) for _ in range(3))

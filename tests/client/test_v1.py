@@ -9,9 +9,8 @@ from typing import Any
 import pytest
 
 from codemode.client import RemoteSession, V1ClientConnection, connect_v1
-from codemode.errors import CodeModeError, ConnectionClosed, ProtocolError
+from codemode.errors import CodeModeError, ConnectionClosed, LocalProtocolError
 from codemode.protocol import (
-    CancellationToken,
     CellId,
     CodeModeSessionCellExecutionLimits,
     ExecuteRequest,
@@ -21,7 +20,6 @@ from codemode.protocol import (
     Yielded,
 )
 from codemode.protocol.constants import SESSION_RESOURCE_LIMITS_CAPABILITY
-from codemode.protocol.v1.codec import encode_frame
 from codemode.protocol.v1.lanes import Lane
 from codemode.protocol.v1.messages import (
     CellClosed,
@@ -60,9 +58,10 @@ from codemode.protocol.v1.messages import (
     WireWaitOutcome,
     WireYielded,
 )
-from codemode.transports import memory_pair
-from codemode.transports.base import TransportError
-from tests.client.fakes import FakeHost, ScriptedDelegate, connected
+from codemode.session import CancellationToken
+from codemode.transports.base import TextMessageReceived, TransportError
+from tests.client.fakes import ScriptedDelegate, connected
+from tests.wire import CLIENT_MESSAGES, RawHost, frame, payloads, raw_host, ready
 
 REQUEST = ExecuteRequest("call-1", "text('x')", [], 1000, None)
 S1 = "session-1"
@@ -86,7 +85,7 @@ def tool_invoke(delegate_id: int, name: str, value: Any, cell: str = "1") -> Del
 
 
 async def open_session(
-    connection: V1ClientConnection, host: FakeHost, delegate: ScriptedDelegate | None = None
+    connection: V1ClientConnection, host: RawHost, delegate: ScriptedDelegate | None = None
 ) -> RemoteSession:
     task = asyncio.create_task(connection.open_session(delegate or ScriptedDelegate()))
     request = await host.receive()
@@ -96,14 +95,14 @@ async def open_session(
     return await task
 
 
-async def expect_request(host: FakeHost, kind: type[Any]) -> OperationRequest:
+async def expect_request(host: RawHost, kind: type[Any]) -> OperationRequest:
     message = await host.receive()
     assert isinstance(message, OperationRequest), message
     assert isinstance(message.request, kind), message
     return message
 
 
-async def started_cell(session: RemoteSession, host: FakeHost, cell: str = "1") -> tuple[Any, int]:
+async def started_cell(session: RemoteSession, host: RawHost, cell: str = "1") -> tuple[Any, int]:
     """Execute through the fake host up to admission; returns the StartedCell and request id."""
     task = asyncio.create_task(session.execute(REQUEST))
     request = await expect_request(host, SessionExecute)
@@ -129,18 +128,16 @@ async def test_handshake_hello_and_ready() -> None:
 
 
 async def test_hello_is_exact() -> None:
-    client_end, host_end, to_host, to_client = memory_pair()
-    host = FakeHost(host_end, to_host, to_client)
-    task = asyncio.create_task(connect_v1(client_end))
+    transport, host = raw_host()
+    task = asyncio.create_task(connect_v1(transport))
     hello = await host.handshake()
     assert hello == ConnectionHello((1,), (), (SESSION_RESOURCE_LIMITS_CAPABILITY,))
     await (await task).aclose()
 
 
-async def handshake_error(script: Any, *, timeout: float = 10.0) -> tuple[CodeModeError, FakeHost]:
-    client_end, host_end, to_host, to_client = memory_pair()
-    host = FakeHost(host_end, to_host, to_client)
-    task = asyncio.create_task(connect_v1(client_end, handshake_timeout=timeout))
+async def handshake_error(script: Any, *, timeout: float = 10.0) -> tuple[CodeModeError, RawHost]:
+    transport, host = raw_host()
+    task = asyncio.create_task(connect_v1(transport, handshake_timeout=timeout))
     await script(host)
     with pytest.raises(CodeModeError) as caught:
         await within(ONE_SECOND, task)
@@ -148,7 +145,7 @@ async def handshake_error(script: Any, *, timeout: float = 10.0) -> tuple[CodeMo
 
 
 async def test_handshake_timeout_is_c2() -> None:
-    async def silent(host: FakeHost) -> None:
+    async def silent(host: RawHost) -> None:
         await host.receive()
 
     error, _ = await handshake_error(silent, timeout=0.05)
@@ -156,7 +153,7 @@ async def test_handshake_timeout_is_c2() -> None:
 
 
 async def test_eof_during_handshake_is_c3() -> None:
-    async def leave(host: FakeHost) -> None:
+    async def leave(host: RawHost) -> None:
         await host.receive()
         host.close()
 
@@ -165,10 +162,10 @@ async def test_eof_during_handshake_is_c3() -> None:
 
 
 async def test_write_failure_during_handshake_is_c3() -> None:
-    client_end, _, to_host, _ = memory_pair()
-    to_host.fail("broken pipe")
+    transport, host = raw_host()
+    host.to_host.fail("broken pipe")
     with pytest.raises(CodeModeError, match=r"^code-mode host exited during handshake$"):
-        await connect_v1(client_end)
+        await connect_v1(transport)
 
 
 @pytest.mark.parametrize(
@@ -185,7 +182,7 @@ async def test_write_failure_during_handshake_is_c3() -> None:
     ],
 )
 async def test_rejection_is_c4(reply: Any, text: str) -> None:
-    async def reject(host: FakeHost) -> None:
+    async def reject(host: RawHost) -> None:
         await host.receive()
         host.send(reply)
 
@@ -196,19 +193,19 @@ async def test_rejection_is_c4(reply: Any, text: str) -> None:
 @pytest.mark.parametrize(
     ("raw", "detail"),
     [
-        (encode_frame(CellClosed(S1, "1")), "expected connection/ready, got cell/closed"),
-        (encode_frame(ConnectionReady(2, ())), "host selected unsupported protocol version 2"),
+        (frame(CellClosed(S1, "1")), "expected connection/ready, got cell/closed"),
+        (frame(ConnectionReady(2, ())), "host selected unsupported protocol version 2"),
         (
-            encode_frame(ConnectionReady(1, ("other",))),
+            frame(ready(("other",))),
             "host granted unrequested capability `other`",
         ),
         (b"\x02\x00\x00\x00{]", "failed to decode code-mode IPC frame: "),
     ],
 )
 async def test_invalid_reply_is_c5(raw: bytes, detail: str) -> None:
-    async def reply(host: FakeHost) -> None:
+    async def reply(host: RawHost) -> None:
         await host.receive()
-        host.to_client.inject(bytes(raw))
+        host.inject(raw)
 
     error, _ = await handshake_error(reply)
     assert error.message.startswith("code-mode host returned an invalid handshake response: ")
@@ -287,7 +284,7 @@ async def test_limits_with_capability_are_sent() -> None:
     limits = CodeModeSessionCellExecutionLimits(max_heap_size_bytes=1 << 20)
     task = asyncio.create_task(connection.open_session(ScriptedDelegate(), limits))
     request = await expect_request(host, SessionOpen)
-    assert encode_frame(request).endswith(
+    assert frame(request).endswith(
         b'"sessionId":"session-1","cellExecutionLimits":{"maxHeapSizeBytes":1048576}}}'
     )
     host.send(OperationResponse(request.id, WireOk(SessionReady(S1))))
@@ -499,7 +496,7 @@ async def test_early_callback_is_parked_until_execution_started() -> None:
 
 
 async def pending_everything(
-    connection: V1ClientConnection, host: FakeHost
+    connection: V1ClientConnection, host: RawHost
 ) -> tuple[RemoteSession, ScriptedDelegate, list[asyncio.Task[Any]]]:
     """A session with a started cell and one pending call of every kind."""
     delegate = ScriptedDelegate(behaviour={"wait": lambda v, t: t.wait_cancelled()})
@@ -558,7 +555,7 @@ async def test_connection_death_fails_every_pending_call(fault: str, reason: str
     elif fault == "unknown-id":
         host.send(OperationResponse(999, WireOk(SessionReady(S1))))
     elif fault == "second-ready":
-        host.send(ConnectionReady(1, ()))
+        host.send(ready(()))
     else:
         host.to_host.fail()
         tasks.append(asyncio.create_task(session.wait(WaitRequest(CellId("2"), 1))))
@@ -628,10 +625,28 @@ async def test_shutdown_pending_when_the_connection_dies_fails_but_a_later_one_s
 async def test_request_id_exhaustion_kills_the_connection() -> None:
     connection, host = await connected()
     session = await open_session(connection, host)
-    connection._machine._next_request_id = 2**63  # white-box: skip 2^63 requests
-    with pytest.raises(ConnectionClosed, match=r"^code-mode host request ID space exhausted$"):
+    connection.protocol._next_request_id = 2**63  # white-box: skip 2^63 requests
+    with pytest.raises(LocalProtocolError, match=r"^code-mode host request ID space exhausted$"):
         await session.wait(WaitRequest(CellId("1"), 1))
     assert not connection.is_alive()
+    with pytest.raises(ConnectionClosed, match=r"^code-mode host request ID space exhausted$"):
+        await session.wait(WaitRequest(CellId("1"), 1))
+
+
+async def test_request_id_exhaustion_fails_every_pending_call() -> None:
+    connection, host = await connected()
+    session = await open_session(connection, host)
+    reasons: list[str] = []
+    connection.add_death_callback(reasons.append)
+    pending = asyncio.create_task(session.wait(WaitRequest(CellId("1"), 60_000)))
+    await expect_request(host, SessionWait)
+    connection.protocol._next_request_id = 2**63  # white-box: skip 2^63 requests
+    with pytest.raises(LocalProtocolError):
+        await session.wait(WaitRequest(CellId("1"), 1))
+    await assert_all_fail([pending], "code-mode host request ID space exhausted")
+    assert reasons == ["code-mode host request ID space exhausted"]
+    await within(ONE_SECOND, connection.wait_closed())
+    await host.expect_end()
 
 
 # -- dual carriers (lanes) -----------------------------------------------------------------------
@@ -641,6 +656,7 @@ class DualMemoryTransport:
     """A two-lane carrier for lane tests: frames are queued whole, tagged with their lane."""
 
     dual = True
+    whole_frames = True
 
     def __init__(self) -> None:
         self.incoming: asyncio.Queue[tuple[bytes, Lane] | BaseException | None] = asyncio.Queue()
@@ -666,14 +682,12 @@ class DualMemoryTransport:
         self.incoming.put_nowait(None)
 
     def feed(self, message: Any, lane: Lane = Lane.CONTROL) -> None:
-        self.incoming.put_nowait((bytes(encode_frame(message))[4:], lane))
+        self.incoming.put_nowait((frame(message), lane))
 
 
 async def dual_connection(bulk_opened: list[str]) -> tuple[V1ClientConnection, DualMemoryTransport]:
     transport = DualMemoryTransport()
-    transport.feed(
-        ConnectionReady(1, ("dual-websocket-v1", SESSION_RESOURCE_LIMITS_CAPABILITY), "tok")
-    )
+    transport.feed(ready(("dual-websocket-v1", SESSION_RESOURCE_LIMITS_CAPABILITY), "tok"))
 
     async def open_bulk(token: str) -> None:
         bulk_opened.append(token)
@@ -682,10 +696,9 @@ async def dual_connection(bulk_opened: list[str]) -> tuple[V1ClientConnection, D
     return connection, transport
 
 
-def decode_sent(frame: bytes) -> ClientToHost:
-    from codemode.protocol.v1.codec import MessageDecoder
-
-    return MessageDecoder(ClientToHost).decode(frame[4:])
+def decode_sent(data: bytes) -> ClientToHost:
+    (payload,) = payloads(data)
+    return CLIENT_MESSAGES.decode(payload)
 
 
 async def test_dual_connection_lanes() -> None:
@@ -728,17 +741,30 @@ async def test_dual_connection_lanes() -> None:
     await connection.aclose()
 
 
-async def test_carrier_protocol_errors_are_recorded_verbatim() -> None:
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        (TextMessageReceived("text"), "code-mode host sent a text WebSocket message"),
+        (TransportError("reset"), "failed to read code-mode host message: reset"),
+    ],
+    ids=["text-message-k7", "broken-carrier-k3"],
+)
+async def test_carrier_errors_end_the_connection(error: TransportError, reason: str) -> None:
     opened: list[str] = []
     connection, transport = await dual_connection(opened)
-    transport.incoming.put_nowait(ProtocolError("code-mode host sent a text WebSocket message"))
+    transport.incoming.put_nowait(error)
     await asyncio.sleep(0.02)
-    assert connection.failure == "code-mode host sent a text WebSocket message"
+    assert connection.failure == reason
+
+
+async def test_a_dual_connection_needs_open_bulk() -> None:
+    with pytest.raises(ValueError, match="open_bulk"):
+        await connect_v1(DualMemoryTransport(), dual=True)
 
 
 async def test_dual_grant_without_bulk_carrier_is_c6() -> None:
     transport = DualMemoryTransport()
-    transport.feed(ConnectionReady(1, ("dual-websocket-v1",), "tok"))
+    transport.feed(ready(("dual-websocket-v1",), "tok"))
 
     async def no_bulk(token: str) -> None:
         raise OSError("refused")

@@ -1,4 +1,4 @@
-"""Wire revisions end to end (decision 0007): conversions, the host state machine, and our client
+"""Wire revisions end to end (decision 0007): conversions, the host machine, and our client
 and host in each revision, matched and mismatched."""
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ from codemode.protocol.v1.conversions import (
     runtime_response_to_wire,
     wait_outcome_to_wire,
 )
-from codemode.protocol.v1.host_state import HostConnection
+from codemode.protocol.v1.host import HostProtocol
 from codemode.protocol.v1.messages import (
-    ConnectionHello,
     OperationRequest,
     SessionExecute,
     SessionOpen,
@@ -39,6 +38,7 @@ from codemode.protocol.v1.messages import (
     WireYielded,
 )
 from tests.contract.delegate import RecordingDelegate
+from tests.wire import hello
 
 CELL = CellId("1")
 ITEMS: list[ContentItem] = [InputText("hi")]
@@ -86,21 +86,31 @@ def test_domain_keeps_timing_but_equality_ignores_it() -> None:
     assert Result(CELL).result_buffered_for_ns is None
 
 
-def test_host_state_writes_the_configured_revision() -> None:
-    for revision, expected in (
+@pytest.mark.parametrize(
+    ("revision", "expected"),
+    [
         (WireRevision.PINNED, b'"error_text":null}}}}'),
         (WireRevision.LATEST, b'"result_buffered_for_ns":0,"code_mode_host_duration_ns":9}}}}'),
-    ):
-        state = HostConnection(wire_revision=revision)
-        state.negotiate(ConnectionHello((1,), (), ()))
-        state.receive(OperationRequest(1, SessionOpen("s")))
-        state.session_opened(1)
-        state.receive(
-            OperationRequest(2, SessionExecute("s", WireExecuteRequest("c", [], "", None, None)))
-        )
-        state.execution_started(2, CELL)
-        sends = state.initial_response(2, Result(CELL, [], None, host_duration_ns=9))
-        assert encode_payload(sends[0].message).endswith(expected)
+    ],
+)
+def test_host_protocol_writes_the_configured_revision(
+    revision: WireRevision, expected: bytes
+) -> None:
+    now = 0
+    protocol = HostProtocol(wire_revision=revision, clock=lambda: now)
+    protocol.receive(hello(()))
+    protocol.receive(OperationRequest(1, SessionOpen("s")))
+    protocol.session_opened(1)
+    now = 100  # the execute arrives
+    protocol.receive(
+        OperationRequest(2, SessionExecute("s", WireExecuteRequest("c", [], "", None, None)))
+    )
+    protocol.execution_started(2, CELL)
+    protocol.data_to_send()
+    now = 109  # its initial response is ready 9 ns later
+    protocol.initial_response(2, Result(CELL, [], None))
+    ((data, _),) = protocol.data_to_send()
+    assert bytes(data).endswith(expected)
 
 
 def _command(revision: WireRevision) -> list[str]:
@@ -108,8 +118,9 @@ def _command(revision: WireRevision) -> list[str]:
 
 
 async def test_latest_client_and_host_report_timings() -> None:
-    async with ProcessOwnedCodeModeSessionProvider(wire_revision="latest") as provider:
-        assert provider.command[-2:] == ["--wire-revision", "latest"]
+    provider = ProcessOwnedCodeModeSessionProvider(wire_revision="latest")
+    assert provider.command[-2:] == ["--wire-revision", "latest"]
+    async with provider:
         session = await provider.create_session(RecordingDelegate())
         source = 'text("a"); yield_control(); await new Promise(r => setTimeout(r, 50)); text("b")'
         started = await session.execute(ExecuteRequest("call-1", source, yield_time_ms=5000))

@@ -11,13 +11,15 @@ from typing import Any
 from codemode.errors import CodeModeError
 from codemode.protocol import (
     JSON,
-    CancellationToken,
     CellId,
     CodeModeNestedToolCall,
-    CodeModeSessionDelegate,
     CodeModeToolKind,
     ToolDefinition,
     ToolName,
+)
+from codemode.session import (
+    CancellationToken,
+    CodeModeSessionDelegate,
 )
 
 

@@ -7,7 +7,6 @@ import struct
 from typing import Any
 
 from codemode.protocol import (
-    CodeModeSession,
     ExecuteRequest,
     ImageDetail,
     InputAudio,
@@ -16,6 +15,9 @@ from codemode.protocol import (
     Result,
     RuntimeResponse,
     ToolDefinition,
+)
+from codemode.session import (
+    CodeModeSession,
 )
 from tests.contract.delegate import FIXTURE_TOOLS
 

@@ -9,7 +9,9 @@ import pytest
 
 from codemode.errors import CodeModeError
 from codemode.protocol import (
+    JSON,
     CellId,
+    CodeModeNestedToolCall,
     CodeModeSessionCellExecutionLimits,
     ExecuteRequest,
     LiveCell,
@@ -19,8 +21,9 @@ from codemode.protocol import (
     WaitRequest,
     Yielded,
 )
+from codemode.session import CancellationToken
 from tests.contract.conftest import Harness
-from tests.contract.delegate import FIXTURE_TOOLS, RecordingDelegate
+from tests.contract.delegate import FIXTURE_TOOLS, RecordingDelegate, function_tool
 from tests.contract.helpers import items, run, start
 
 FOREVER = "await new Promise(() => {})"
@@ -408,3 +411,29 @@ async def test_abandoning_a_started_cell_terminates_it(harness: Harness) -> None
     await eventually(lambda: delegate.closed == [str(started.cell_id)])
     assert delegate.cancelled == ["tool-1"]
     assert await session.wait(WaitRequest(started.cell_id, 10)) == missing(str(started.cell_id))
+
+
+class TimeoutDelegate(RecordingDelegate):
+    """A tool that bounds its own work with ``asyncio.timeout`` before its first await."""
+
+    async def invoke_tool(
+        self, invocation: CodeModeNestedToolCall, cancellation: CancellationToken
+    ) -> JSON:
+        try:
+            async with asyncio.timeout(0.05):
+                await asyncio.sleep(5)
+        except TimeoutError:
+            return "timed out"
+        return "slept"
+
+
+async def test_a_tool_may_time_itself_out(harness: Harness) -> None:
+    # A delegate's timeout belongs to the delegate's own task: when it fires it ends the tool's
+    # wait, and nothing else (a carrier once ran the first step on its reader and lost the
+    # connection to it).
+    session = await harness.session(TimeoutDelegate())
+    tools = [function_tool("echo")]
+    result = await run(session, "text(await tools.echo({})); text('after')", tools=tools)
+    assert result.content_items == items("timed out", "after")
+    assert session.is_alive()
+    assert (await run(session, 'text("still here")')).content_items == items("still here")

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from codemode.protocol.constants import MAX_FRAME_BYTES
+from tests.wire import FrameReader, frame
 
 HOST_COMMAND: Final = [sys.executable, "-m", "codemode", "host", "--stdio"]
 READ_TIMEOUT: Final = 10.0  # a generous bound for one frame (the engine warms up meanwhile)
@@ -107,10 +108,6 @@ KNOWN_TAGS: Final = {
     "operation/cancel",
     "delegate/response",
 }
-
-
-def frame(payload: bytes) -> bytes:
-    return len(payload).to_bytes(4, "little") + payload
 
 
 def compact(value: Any) -> bytes:
@@ -231,12 +228,6 @@ GARBAGE: Final = st.one_of(
 # -- the host process -------------------------------------------------------------------------------
 
 
-async def read_frame(stdout: asyncio.StreamReader) -> bytes:
-    async with asyncio.timeout(READ_TIMEOUT):
-        prefix = await stdout.readexactly(4)
-        return await stdout.readexactly(int.from_bytes(prefix, "little"))
-
-
 async def group_gone(pgid: int, timeout: float = 2.0) -> bool:
     """True once no process of the host's process group (the host, its engine) is left."""
     loop = asyncio.get_running_loop()
@@ -263,14 +254,14 @@ async def scenario(stage: str, garbage: Garbage) -> None:
     assert process.stderr is not None
     stderr_task = asyncio.ensure_future(process.stderr.read())
     try:
-        stdin, stdout = process.stdin, process.stdout
+        stdin, stdout = process.stdin, FrameReader(process.stdout)
         if stage != "first":
             stdin.write(frame(compact(HELLO)))
-            assert await read_frame(stdout) == READY
+            assert await stdout.payload(READ_TIMEOUT) == READY
         if stage == "cell":
             stdin.write(frame(compact(OPEN)) + frame(compact(EXECUTE)) + frame(compact(SPIN)))
-            assert await read_frame(stdout) == SESSION_READY
-            assert sorted([await read_frame(stdout) for _ in ADMITTED]) == ADMITTED
+            assert await stdout.payload(READ_TIMEOUT) == SESSION_READY
+            assert sorted([await stdout.payload(READ_TIMEOUT) for _ in ADMITTED]) == ADMITTED
         stdin.write(garbage.data)
         with contextlib.suppress(ConnectionError):
             async with asyncio.timeout(READ_TIMEOUT):
@@ -278,8 +269,7 @@ async def scenario(stage: str, garbage: Garbage) -> None:
         if not garbage.complete:
             stdin.close()  # the host only knows the frame is cut short at the end of stream
         # Nothing more is written; stdout is closed promptly.
-        async with asyncio.timeout(EXIT_TIMEOUT):
-            rest = await stdout.read()
+        rest = await stdout.rest(EXIT_TIMEOUT)
         assert rest == b"", f"the host wrote {rest!r} after {garbage.kind}"
         async with asyncio.timeout(EXIT_TIMEOUT):
             status = await process.wait()

@@ -18,32 +18,23 @@ from codemode.errors import CodeModeError
 from codemode.host import HostOptions, serve_v1_connection
 from codemode.protocol import (
     JSON,
-    CancellationToken,
     CellId,
     CodeModeNestedToolCall,
-    CodeModeSession,
     CodeModeSessionCellExecutionLimits,
-    CodeModeSessionDelegate,
-    CodeModeSessionProvider,
 )
 from codemode.protocol.constants import (
     MAX_FRAME_BYTES,
     MAX_PENDING_DELEGATE_CALLS,
-    SESSION_RESOURCE_LIMITS_CAPABILITY,
 )
-from codemode.protocol.v1.codec import MessageDecoder, encode_frame
 from codemode.protocol.v1.messages import (
     CellClosed,
     ClientToHost,
-    ConnectionHello,
-    ConnectionReady,
     ConnectionRejected,
     DelegateCancel,
     DelegateRequestMessage,
     DelegateResponseMessage,
     ExecuteInitialResponse,
     ExecutionStarted,
-    HostToClient,
     InvalidHello,
     NoCompatibleVersion,
     NotificationSend,
@@ -75,104 +66,19 @@ from codemode.protocol.v1.messages import (
     WireYielded,
 )
 from codemode.runtime import LocalSessionProvider
-from codemode.transports import MemoryChannel, StreamTransport, memory_pair
+from codemode.session import (
+    CancellationToken,
+    CodeModeSession,
+    CodeModeSessionDelegate,
+    CodeModeSessionProvider,
+)
+from tests.wire import HELLO, RawClient, frame, hello, raw_client, ready
 
 S1 = "session-1"
 ECHO = WireToolDefinition("echo", WireToolName("echo", None), "", "function", None, None)
 BLOCK = WireToolDefinition("block", WireToolName("block", None), "", "function", None, None)
 J1 = "code-mode host exceeded the limit of 1024 pending delegate calls"
 J4 = "code-mode client connection closed"
-HELLO = ConnectionHello((1,), (), (SESSION_RESOURCE_LIMITS_CAPABILITY,))
-READY = ConnectionReady(1, (SESSION_RESOURCE_LIMITS_CAPABILITY,))
-_DECODER: MessageDecoder[HostToClient] = MessageDecoder(HostToClient)
-
-
-# -- the raw client --------------------------------------------------------------------------------
-
-
-def frame(payload: bytes) -> bytes:
-    return len(payload).to_bytes(4, "little") + payload
-
-
-class RawClient:
-    """The client end of an in-memory pair: writes frames (or bytes), reads host frames."""
-
-    def __init__(
-        self, transport: StreamTransport, to_host: MemoryChannel, to_client: MemoryChannel
-    ) -> None:
-        self.transport = transport
-        self.to_host = to_host
-        self.to_client = to_client
-
-    def send(self, *messages: ClientToHost) -> None:
-        for message in messages:
-            self.transport.send(encode_frame(message))
-
-    def inject(self, data: bytes) -> None:
-        """Raw bytes for the host's reader (garbage, partial frames)."""
-        self.to_host.inject(data)
-
-    def close(self) -> None:
-        """End of stream for the host."""
-        self.to_host.close()
-
-    async def receive_raw(self, timeout: float = 5.0) -> bytes | None:
-        async with asyncio.timeout(timeout):
-            item = await self.transport.receive()
-        return None if item is None else item[0]
-
-    async def receive(self, timeout: float = 5.0) -> HostToClient:
-        payload = await self.receive_raw(timeout)
-        assert payload is not None, "the host closed the connection"
-        return _DECODER.decode(payload)
-
-    async def expect_end(self, timeout: float = 5.0) -> None:
-        """The host closes its side without writing anything more."""
-        payload = await self.receive_raw(timeout)
-        assert payload is None, f"unexpected frame {payload!r}"
-
-    async def receive_until(self, last: HostToClient, limit: int = 2000) -> list[HostToClient]:
-        """Messages up to and including ``last``."""
-        messages: list[HostToClient] = []
-        while len(messages) < limit:
-            messages.append(await self.receive())
-            if messages[-1] == last:
-                return messages
-        raise AssertionError(f"{last!r} did not arrive: {messages[-5:]!r}")
-
-    async def nothing(self, delay: float = 0.2) -> None:
-        try:
-            async with asyncio.timeout(delay):
-                item = await self.transport.receive()
-        except TimeoutError:
-            return
-        raise AssertionError(f"unexpected {item!r}")
-
-    async def handshake(self) -> None:
-        self.send(HELLO)
-        assert await self.receive() == READY
-
-    async def open(self, request_id: int = 1, session: str = S1) -> None:
-        self.send(OperationRequest(request_id, SessionOpen(session)))
-        assert await self.receive() == OperationResponse(request_id, WireOk(SessionReady(session)))
-
-    async def execute(
-        self,
-        request_id: int,
-        source: str,
-        *,
-        tools: tuple[WireToolDefinition, ...] = (),
-        yield_ms: int | None = 10_000,
-        session: str = S1,
-    ) -> str:
-        """Start a cell; returns its id (after ``execution/started``)."""
-        body = WireExecuteRequest("call-1", list(tools), source, yield_ms, None)
-        self.send(OperationRequest(request_id, SessionExecute(session, body)))
-        reply = await self.receive()
-        assert isinstance(reply, OperationResponse) and reply.id == request_id, reply
-        assert isinstance(reply.result, WireOk), reply
-        assert isinstance(reply.result.value, ExecutionStarted), reply
-        return reply.result.value.cell_id
 
 
 @dataclass
@@ -195,13 +101,13 @@ async def provider() -> AsyncIterator[LocalSessionProvider]:
 async def serving(
     provider: CodeModeSessionProvider, options: HostOptions | None = None
 ) -> AsyncIterator[Served]:
-    client_end, host_end, to_host, to_client = memory_pair()
-    task = asyncio.create_task(serve_v1_connection(host_end, provider, options))
-    served = Served(RawClient(client_end, to_host, to_client), task)
+    transport, client = raw_client()
+    task = asyncio.create_task(serve_v1_connection(transport, provider, options))
+    served = Served(client, task)
     try:
         yield served
     finally:
-        to_host.close()
+        client.close()
         with contextlib.suppress(BaseException):
             async with asyncio.timeout(10):
                 await task
@@ -407,7 +313,7 @@ async def test_eof_before_any_byte_is_a_silent_clean_end(
             OperationRequest(1, SessionOpen(S1)),
             InvalidHello("first message must be connection/hello"),
         ),
-        (ConnectionHello((2,), (), ()), NoCompatibleVersion((1,))),
+        (hello((), versions=(2,)), NoCompatibleVersion((1,))),
     ],
 )
 async def test_a_rejected_hello_is_answered_then_closed(
@@ -442,11 +348,9 @@ async def test_a_write_failure_during_the_handshake_ends_the_connection(
 
 BAD_LATER_FRAMES: dict[str, bytes] = {
     **BAD_FIRST_FRAMES,
-    "second-hello": bytes(encode_frame(HELLO)),
-    "duplicate-request-id": bytes(encode_frame(OperationRequest(2, SessionOpen("session-2")))),
-    "unknown-delegate-id": bytes(
-        encode_frame(DelegateResponseMessage(77, WireOk(ToolResult(None))))
-    ),
+    "second-hello": frame(HELLO),
+    "duplicate-request-id": frame(OperationRequest(2, SessionOpen("session-2"))),
+    "unknown-delegate-id": frame(DelegateResponseMessage(77, WireOk(ToolResult(None)))),
     "wrong-variant-tag": frame(b'{"type":"operation/yield","id":5}'),
     "null-for-required": frame(b'{"type":"operation/cancel","id":null}'),
     "float-id": frame(b'{"type":"operation/cancel","id":1.0}'),
@@ -931,8 +835,7 @@ async def test_requests_pipelined_behind_a_failed_open_are_answered(
 async def test_limits_without_the_capability_are_h9(provider: LocalSessionProvider) -> None:
     async with serving(provider) as served:
         client = served.client
-        client.send(ConnectionHello((1,), (), ()))
-        assert await client.receive() == ConnectionReady(1, ())
+        await client.handshake(hello(()), ready(()))
         limits = WireSessionCellExecutionLimits(max_yield_time_ms=250)
         client.send(OperationRequest(1, SessionOpen(S1, limits)))
         assert await client.receive() == OperationResponse(

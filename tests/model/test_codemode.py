@@ -16,12 +16,6 @@ from codemode.model import CodeMode, CodeModeToolHandler, CustomToolInput, ToolR
 from codemode.model.exec_tool import EXEC_GRAMMAR, wait_tool_spec
 from codemode.model.registry import ToolContext
 from codemode.model.render import RenderedOutput
-from codemode.protocol.session import (
-    CodeModeSession,
-    CodeModeSessionDelegate,
-    CodeModeSessionProvider,
-    StartedCell,
-)
 from codemode.protocol.types import (
     CellId,
     CodeModeSessionCellExecutionLimits,
@@ -36,6 +30,12 @@ from codemode.protocol.types import (
     Yielded,
 )
 from codemode.runtime import LocalSession, LocalSessionProvider, NodeEngine
+from codemode.session import (
+    CodeModeSession,
+    CodeModeSessionDelegate,
+    CodeModeSessionProvider,
+    StartedCell,
+)
 from tests.model.test_handler import FakeSession, ticking_clock
 
 SHUTTING_DOWN = "code mode session is shutting down"

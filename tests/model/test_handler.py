@@ -13,7 +13,6 @@ from codemode.model.handler import (
     FunctionToolArguments,
 )
 from codemode.model.render import RenderedOutput
-from codemode.protocol.session import CodeModeSession, StartedCell
 from codemode.protocol.types import (
     CellId,
     ExecuteRequest,
@@ -28,6 +27,7 @@ from codemode.protocol.types import (
     WaitRequest,
     Yielded,
 )
+from codemode.session import CodeModeSession, StartedCell
 
 P1 = (
     "exec expects raw JavaScript source text (non-empty). Provide JS only, optionally with "

@@ -15,7 +15,6 @@ from codemode.errors import CodeModeError
 from codemode.model.exec_tool import build_exec_description
 from codemode.model.registry import Tool, ToolContext, ToolRegistry, flat_tool_name, tool
 from codemode.model.typescript import render_json_schema, render_tool_declaration
-from codemode.protocol.session import CancellationToken, CodeModeSessionDelegate
 from codemode.protocol.types import (
     JSON,
     CellId,
@@ -23,6 +22,7 @@ from codemode.protocol.types import (
     CodeModeToolKind,
     ToolName,
 )
+from codemode.session import CancellationToken, CodeModeSessionDelegate
 
 CELL = CellId("1")
 

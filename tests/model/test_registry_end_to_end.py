@@ -20,7 +20,6 @@ import pytest
 
 from codemode.errors import CodeModeError
 from codemode.model.registry import ToolContext, ToolRegistry
-from codemode.protocol.session import CancellationToken
 from codemode.protocol.types import (
     JSON,
     CellId,
@@ -38,6 +37,7 @@ from codemode.protocol.types import (
     Yielded,
 )
 from codemode.runtime import LocalSession, LocalSessionProvider
+from codemode.session import CancellationToken
 
 UUID4 = re.compile(r"^exec-[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
 

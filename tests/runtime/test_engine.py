@@ -12,12 +12,14 @@ import pytest
 from codemode.errors import CodeModeError
 from codemode.protocol import (
     CodeModeSessionCellExecutionLimits,
-    CodeModeSessionDelegate,
     ExecuteRequest,
     InputText,
     Result,
 )
 from codemode.runtime import InvalidLimitsError, LocalSession, LocalSessionProvider
+from codemode.session import (
+    CodeModeSessionDelegate,
+)
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from codemode.protocol import (
-    CodeModeSessionDelegate,
     ContentItem,
     ExecuteRequest,
     InputText,
@@ -22,7 +21,11 @@ from codemode.protocol import (
 )
 from codemode.runtime import LocalSessionProvider, NodeEngine
 from codemode.runtime.engine import MAX_ENGINE_FRAME_BYTES, _HostProtocol
+from codemode.session import (
+    CodeModeSessionDelegate,
+)
 from tests.contract.delegate import FIXTURE_TOOLS, RecordingDelegate
+from tests.wire import frame
 
 
 class Events:
@@ -67,10 +70,6 @@ class StubTransport:
 
     def get_pid(self) -> int:
         return 0
-
-
-def frame(body: bytes) -> bytes:
-    return len(body).to_bytes(4, "little") + body
 
 
 def wired() -> tuple[NodeEngine, _HostProtocol, Events, StubTransport]:

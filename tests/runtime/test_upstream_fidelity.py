@@ -14,7 +14,6 @@ import pytest
 
 from codemode.client import ProcessOwnedCodeModeSessionProvider
 from codemode.protocol import (
-    CodeModeSessionProvider,
     ExecuteRequest,
     InputAudio,
     InputImage,
@@ -23,6 +22,9 @@ from codemode.protocol import (
 )
 from codemode.protocol.v1.revision import WireRevision
 from codemode.runtime import LocalSessionProvider
+from codemode.session import (
+    CodeModeSessionProvider,
+)
 from tests.contract.delegate import FIXTURE_TOOLS, RecordingDelegate
 from tests.upstream import DEFAULT_VERSION, LATEST_VERSION, unavailable_reason, upstream_host
 

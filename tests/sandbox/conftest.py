@@ -36,7 +36,6 @@ import pytest
 
 from codemode.protocol import (
     CellId,
-    CodeModeSession,
     ContentItem,
     ExecuteRequest,
     InputAudio,
@@ -48,6 +47,9 @@ from codemode.protocol import (
     ToolDefinition,
     WaitRequest,
     Yielded,
+)
+from codemode.session import (
+    CodeModeSession,
 )
 from tests.contract.conftest import EmbeddedHarness, Harness, StdioHarness
 from tests.contract.delegate import FIXTURE_TOOLS

@@ -27,10 +27,8 @@ import pytest
 
 from codemode.protocol import (
     JSON,
-    CancellationToken,
     CellId,
     CodeModeNestedToolCall,
-    CodeModeSession,
     CodeModeSessionCellExecutionLimits,
     ExecuteRequest,
     InputText,
@@ -39,6 +37,10 @@ from codemode.protocol import (
     Terminated,
     WaitRequest,
     Yielded,
+)
+from codemode.session import (
+    CancellationToken,
+    CodeModeSession,
 )
 from tests.contract.delegate import FIXTURE_TOOLS, RecordingDelegate
 from tests.sandbox.conftest import Canary, Harness, assert_no_escape, finish, strings_of, texts

@@ -11,10 +11,8 @@ from dataclasses import dataclass, field
 
 from codemode.protocol import (
     JSON,
-    CancellationToken,
     CellId,
     CodeModeNestedToolCall,
-    CodeModeSession,
     ExecuteRequest,
     InputText,
     LiveCell,
@@ -24,6 +22,10 @@ from codemode.protocol import (
     ToolDefinition,
     WaitRequest,
     Yielded,
+)
+from codemode.session import (
+    CancellationToken,
+    CodeModeSession,
 )
 from tests.contract.delegate import ECHO, RecordingDelegate, function_tool
 from tests.sandbox.conftest import Canary, Harness, assert_no_escape, finish, js, texts

@@ -18,12 +18,11 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Final
 
+from codemode.client.provider import SharedConnectionProvider
 from codemode.client.v1 import RemoteSession, V1ClientConnection
 from codemode.errors import CodeModeError
 from codemode.protocol.constants import HANDSHAKE_TIMEOUT, SHUTDOWN_TIMEOUT
-from codemode.protocol.session import CodeModeSessionDelegate, CodeModeSessionProvider
-from codemode.protocol.types import CodeModeSessionCellExecutionLimits
-from codemode.protocol.v1.client_state import CONNECTION_CLOSED, exited_with_status
+from codemode.protocol.texts import host_spawn_failed
 from codemode.protocol.v1.revision import WireRevision
 from codemode.transports.stream import StreamTransport
 
@@ -60,7 +59,7 @@ class HostProcess:
             stdin = process.stdin
         self._stdin = stdin
         self.connection = V1ClientConnection(
-            transport, eof_reason=self._eof_reason, wire_revision=wire_revision
+            transport, exit_status=self._exit_status, wire_revision=wire_revision
         )
         self.connection.add_death_callback(self._connection_died)
         self._stderr = asyncio.create_task(self._log_stderr(), name="codemode-host-stderr")
@@ -98,7 +97,7 @@ class HostProcess:
         except (OSError, ValueError) as error:
             os.close(parent_in)
             os.close(parent_out)
-            raise CodeModeError(f"failed to spawn code-mode host {program}: {error}") from None
+            raise CodeModeError(host_spawn_failed(program, error)) from None
         finally:
             os.close(child_in)
             os.close(child_out)
@@ -135,10 +134,9 @@ class HostProcess:
         """True while the connection works."""
         return self.connection.is_alive()
 
-    async def _eof_reason(self) -> str:
+    async def _exit_status(self) -> int | None:
         # stdout ended: a host that exits right away reports its status (K2), else K1 (§9.8).
-        status = await self.wait_exit(EXIT_STATUS_GRACE)
-        return CONNECTION_CLOSED if status is None else exited_with_status(status)
+        return await self.wait_exit(EXIT_STATUS_GRACE)
 
     async def wait_exit(self, timeout: float) -> int | None:
         """The exit status once the child exited, or ``None`` after ``timeout`` seconds.
@@ -216,7 +214,7 @@ class HostProcess:
             )
 
 
-class ProcessOwnedCodeModeSessionProvider(CodeModeSessionProvider):
+class ProcessOwnedCodeModeSessionProvider(SharedConnectionProvider[HostProcess]):
     """Creates :class:`RemoteSession` objects on one shared host child process (§9.1).
 
     ``command`` defaults to ``[sys.executable, "-m", "codemode", "host", "--stdio"]`` (plus
@@ -236,6 +234,7 @@ class ProcessOwnedCodeModeSessionProvider(CodeModeSessionProvider):
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         wire_revision: WireRevision | str = WireRevision.PINNED,
     ) -> None:
+        super().__init__()
         self.wire_revision = WireRevision(wire_revision)
         if command is None:
             command = list(DEFAULT_HOST_COMMAND)
@@ -246,70 +245,16 @@ class ProcessOwnedCodeModeSessionProvider(CodeModeSessionProvider):
             raise ValueError("the host command must not be empty")
         self._env = env
         self._handshake_timeout = handshake_timeout
-        self._host: HostProcess | None = None
-        self._hosts: list[HostProcess] = []
-        self._sessions: dict[HostProcess, list[RemoteSession]] = {}
-        self._lock = asyncio.Lock()
-        self._closed = False
 
     @property
     def host(self) -> HostProcess | None:
         """The current host process, if one was spawned and is still alive."""
-        host = self._host
-        return host if host is not None and host.is_alive() else None
+        return self.link
 
-    async def create_session(self, delegate: CodeModeSessionDelegate) -> RemoteSession:
-        """Open a session on the shared host (spawning it if needed)."""
-        return await self.create_session_with_limits(delegate, CodeModeSessionCellExecutionLimits())
-
-    async def create_session_with_limits(
-        self,
-        delegate: CodeModeSessionDelegate,
-        limits: CodeModeSessionCellExecutionLimits,
-    ) -> RemoteSession:
-        """Open a session whose cells share ``limits`` (C7 if the host did not grant them)."""
-        host = await self._current_host()
-        session = await host.connection.open_session(delegate, limits)
-        sessions = self._sessions.setdefault(host, [])
-        sessions[:] = [s for s in sessions if s.is_alive()]
-        sessions.append(session)
-        return session
-
-    async def _current_host(self) -> HostProcess:
-        async with self._lock:
-            if self._closed:
-                raise CodeModeError("code-mode session provider is closed")
-            host = self._host
-            if host is not None and host.is_alive():
-                return host
-            self._host = None
-            if host is not None:
-                self._sessions.pop(host, None)
-            host = await HostProcess.spawn(
-                self.command,
-                env=self._env,
-                handshake_timeout=self._handshake_timeout,
-                wire_revision=self.wire_revision,
-            )
-            self._host = host
-            self._hosts = [h for h in self._hosts if not h.finished]
-            self._hosts.append(host)
-            return host
-
-    async def aclose(self) -> None:
-        """Shut down every session, let each host exit (up to 5 s), then kill what is left."""
-        async with self._lock:
-            self._closed = True
-            hosts, self._hosts, self._host = self._hosts, [], None
-            sessions, self._sessions = self._sessions, {}
-        await asyncio.gather(*(host.aclose(sessions.get(host, ())) for host in hosts))
-
-    async def close(self) -> None:
-        """The spec's name for :meth:`aclose` (§9.1)."""
-        await self.aclose()
-
-    async def __aenter__(self) -> ProcessOwnedCodeModeSessionProvider:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
+    async def _connect(self) -> HostProcess:
+        return await HostProcess.spawn(
+            self.command,
+            env=self._env,
+            handshake_timeout=self._handshake_timeout,
+            wire_revision=self.wire_revision,
+        )

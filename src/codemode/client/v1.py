@@ -1,36 +1,23 @@
 """Remote sessions over Protocol V1 (``protocol-v1.md`` §9): the asyncio glue.
 
-:class:`V1ClientConnection` drives one :class:`~codemode.protocol.v1.client_state.ClientConnection`
-over any :class:`~codemode.transports.FrameTransport`: it performs the handshake, runs the one
-reader task, writes what the state machine asks for, runs delegate callbacks as tasks and turns the
-machine's events into results for :class:`RemoteSession` callers. Carriers (a child process's
-pipes, a WebSocket, the in-memory test pair) only move frames; :func:`connect_v1` is their entry.
+:class:`V1ClientConnection` pumps bytes between a :class:`~codemode.transports.FrameTransport`
+and a :class:`~codemode.protocol.v1.client.ClientProtocol`: it feeds what the transport reads,
+writes what the machine queues, runs delegate callbacks as tasks and turns the machine's events
+into results for :class:`RemoteSession` callers. Every protocol decision is the machine's.
+:func:`connect_v1` is the entry point for every carrier.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import logging
-import types
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
-from typing import Any, Final, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
 
-from codemode.errors import (
-    CodeModeError,
-    ConnectionClosed,
-    FrameError,
-    ProtocolError,
-)
+from codemode.errors import CodeModeError, ConnectionClosed
 from codemode.protocol.constants import HANDSHAKE_TIMEOUT
-from codemode.protocol.session import (
-    CancellationToken,
-    CodeModeSession,
-    CodeModeSessionDelegate,
-    NoopCodeModeSessionDelegate,
-    StartedCell,
-)
+from codemode.protocol.delegation import CallbackResult
 from codemode.protocol.types import (
     CellId,
     CodeModeSessionCellExecutionLimits,
@@ -39,92 +26,42 @@ from codemode.protocol.types import (
     WaitOutcome,
     WaitRequest,
 )
-from codemode.protocol.v1.client_state import (
-    CALLBACK_TASK_CANCELLED,
-    CONNECTION_CLOSED,
-    CallbackCancelled,
-    CallbackFailed,
-    CallbackRequested,
-    CallbackResult,
-    CellClosedEvent,
-    ClientConnection,
-    ConnectionFailed,
-    Event,
-    ExecutionStartedEvent,
-    InitialResponse,
-    NotificationAccepted,
-    NotificationCallback,
-    OperationFailed,
-    Send,
-    SessionForgotten,
-    SessionOpened,
-    SessionShutDown,
-    ToolReturned,
-    WaitAnswered,
-    delegate_failed,
-    message_type,
-    read_failed,
-    write_failed,
-    wrong_lane,
-)
-from codemode.protocol.v1.codec import MessageDecoder, encode_frame
-from codemode.protocol.v1.handshake import Negotiated, check_handshake_reply, client_hello
-from codemode.protocol.v1.lanes import Lane, allows_lane
-from codemode.protocol.v1.messages import HostToClient
+from codemode.protocol.v1 import events as ev
+from codemode.protocol.v1.client import ClientProtocol
+from codemode.protocol.v1.handshake import Negotiated
 from codemode.protocol.v1.revision import WireRevision
-from codemode.transports.base import FrameTransport, TransportError
+from codemode.session import (
+    CancellationToken,
+    CodeModeSession,
+    CodeModeSessionDelegate,
+    NoopCodeModeSessionDelegate,
+    StartedCell,
+    serve_callback,
+)
+from codemode.transports.base import FrameTransport, describe
+from codemode.transports.pump import Pump
 
-__all__ = [
-    "BULK_UNAVAILABLE",
-    "HANDSHAKE_EXITED",
-    "HANDSHAKE_TIMED_OUT",
-    "RemoteSession",
-    "V1ClientConnection",
-    "connect_v1",
-]
+__all__ = ["RemoteSession", "V1ClientConnection", "connect_v1"]
 
 logger = logging.getLogger("codemode.client")
 
-#: C2
-HANDSHAKE_TIMED_OUT: Final = "timed out negotiating with the code-mode host"
-#: C3
-HANDSHAKE_EXITED: Final = "code-mode host exited during handshake"
-#: C5 prefix
-_INVALID_HANDSHAKE: Final = "code-mode host returned an invalid handshake response: "
-#: C6 prefix
-BULK_UNAVAILABLE: Final = "code-mode host bulk connection is unavailable: "
-
-_DECODERS: Final[dict[WireRevision, MessageDecoder[HostToClient]]] = {
-    revision: MessageDecoder(HostToClient, revision) for revision in WireRevision
-}
 _NOOP_DELEGATE: Final = NoopCodeModeSessionDelegate()
-
-T = TypeVar("T")
 
 #: Opens the bulk socket of a dual connection, given the ``bulkConnectionToken``.
 OpenBulk = Callable[[str], Awaitable[None]]
-#: Returns the failure reason to record when the host's stream ends cleanly (K1 by default).
-EofReason = Callable[[], Awaitable[str]]
-
-
-async def _connection_closed() -> str:
-    return CONNECTION_CLOSED
-
-
-def _detail(error: BaseException) -> str:
-    return str(error) or type(error).__name__
+#: After the host's stream ended: its exit status if it is a process that exited, else ``None``.
+ExitStatus = Callable[[], Awaitable[object | None]]
 
 
 class V1ClientConnection:
     """One V1 connection to a host, shared by every :class:`RemoteSession` opened on it.
 
     Create it with :func:`connect_v1` (or construct, then :meth:`handshake` and :meth:`start`).
-    ``eof_reason`` decides the failure reason of a clean end of stream (a process-owned host
-    reports its exit status, K2). ``wire_revision`` is the shape runtime responses must have
-    (``pinned``: V1 as pinned; ``latest``: upstream 0.164+ with timing fields; decision 0007).
-    Once the connection fails it stays dead: :meth:`is_alive` is
-    false and every later operation raises :class:`~codemode.errors.ConnectionClosed` with the
-    first recorded reason.
+    ``exit_status`` tells a clean end of stream from an exited host process (K1 vs K2).
+    ``wire_revision`` is the shape runtime responses must have (``pinned``: V1 as pinned;
+    ``latest``: upstream 0.164+ with timing fields; decision 0007). Once the connection fails it
+    stays dead: :meth:`is_alive` is false and every later operation raises
+    :class:`~codemode.errors.ConnectionClosed` with the first recorded reason.
     """
 
     def __init__(
@@ -132,25 +69,27 @@ class V1ClientConnection:
         transport: FrameTransport,
         *,
         dual: bool = False,
-        eof_reason: EofReason | None = None,
+        exit_status: ExitStatus | None = None,
         wire_revision: WireRevision | str = WireRevision.PINNED,
     ) -> None:
         self.wire_revision = WireRevision(wire_revision)
-        self._decoder = _DECODERS[self.wire_revision]
+        self._protocol = ClientProtocol(dual_websocket=dual, wire_revision=self.wire_revision)
         self._transport = transport
-        self._dual_hello = dual
-        self._eof_reason = eof_reason or _connection_closed
+        self._dual = dual
+        self._exit_status = exit_status
         self._loop = asyncio.get_running_loop()
-        self._state: ClientConnection | None = None
+        self._handshaken = False
         self._futures: dict[int, asyncio.Future[Any]] = {}
         self._delegates: dict[str, CodeModeSessionDelegate] = {}
         self._sessions: dict[str, RemoteSession] = {}
         self._tokens: dict[int, CancellationToken] = {}
-        self._tasks: set[asyncio.Future[Any]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._reader: asyncio.Task[None] | None = None
         self._closer: asyncio.Task[None] | None = None
         self._dead = asyncio.Event()
         self._death_callbacks: list[Callable[[str], object]] = []
+        self._pump = Pump(transport, self._protocol, self._apply)
+        self._flush = self._pump.flush
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -161,83 +100,71 @@ class V1ClientConnection:
 
         On failure the transport is closed and the connection is dead with that message.
         """
-        if self._state is not None:
+        protocol = self._protocol
+        if self._handshaken:
             raise RuntimeError("the handshake already happened")
-        try:
-            negotiated = await self._negotiate(timeout, open_bulk)
-        except CodeModeError as error:
-            self._state = ClientConnection()
-            self._fail(error.message)
-            await self._await_closer()
-            raise
-        self._state = ClientConnection(negotiated)
-        return negotiated
-
-    async def _negotiate(self, timeout: float, open_bulk: OpenBulk | None) -> Negotiated:
-        transport = self._transport
-        hello = client_hello(dual_websocket=self._dual_hello)
-        try:
-            transport.send(encode_frame(hello), Lane.CONTROL)
-            await transport.drain()
-        except (TransportError, OSError):
-            # The host is gone before it could answer (a dead child's stdin is a broken pipe).
-            raise CodeModeError(HANDSHAKE_EXITED) from None
+        if self._dual and open_bulk is None:
+            raise ValueError("a dual connection needs open_bulk to open its bulk socket")
+        self._handshaken = True
+        self._flush()
         try:
             async with asyncio.timeout(timeout):
-                item = await transport.receive()
+                while protocol.is_alive() and not protocol.handshaken:
+                    await self._read_once()
         except TimeoutError:
-            raise CodeModeError(HANDSHAKE_TIMED_OUT) from None
-        except FrameError as error:
-            raise CodeModeError(_INVALID_HANDSHAKE + error.message) from None
-        except (CodeModeError, OSError):
-            raise CodeModeError(HANDSHAKE_EXITED) from None
-        if item is None:
-            raise CodeModeError(HANDSHAKE_EXITED)
-        payload, lane = item
-        try:
-            reply = self._decoder.decode(payload)
-        except FrameError as error:
-            raise CodeModeError(_INVALID_HANDSHAKE + error.message) from None
-        if transport.dual and lane is not Lane.CONTROL:
-            raise CodeModeError(_INVALID_HANDSHAKE + wrong_lane(message_type(reply), lane))
-        negotiated = check_handshake_reply(hello, reply)
-        token = negotiated.bulk_connection_token
-        if negotiated.dual_websocket:
-            if open_bulk is None or token is None:
-                raise CodeModeError(BULK_UNAVAILABLE + "this carrier has no bulk socket")
+            protocol.timed_out()
+            self._flush()
+        negotiated = protocol.negotiated
+        if protocol.is_alive() and negotiated.dual_websocket:
+            token = negotiated.bulk_connection_token
+            assert token is not None
+            assert open_bulk is not None
             try:
                 await open_bulk(token)
             except Exception as error:
-                raise CodeModeError(BULK_UNAVAILABLE + _detail(error)) from None
+                protocol.bulk_failed(describe(error))
+            else:
+                protocol.bulk_opened()
+            self._flush()
+        failure = protocol.failure
+        if failure is not None:
+            await self._await_closer()
+            raise CodeModeError(failure)
         return negotiated
 
     def start(self) -> None:
         """Start the reader task (after a successful :meth:`handshake`)."""
-        if self._state is None:
+        if not self._handshaken:
             raise RuntimeError("handshake first")
-        if self._reader is None and self._state.is_alive():
+        if self._reader is None and self._protocol.is_alive():
             self._reader = asyncio.create_task(self._read_loop(), name="codemode-v1-reader")
 
     def add_death_callback(self, callback: Callable[[str], object]) -> None:
         """Call ``callback(reason)`` once when the connection fails (at once if it already has)."""
-        if self._state is not None and self._state.failure is not None:
-            callback(self._state.failure)
+        failure = self._protocol.failure
+        if failure is not None:
+            callback(failure)
         else:
             self._death_callbacks.append(callback)
 
     def is_alive(self) -> bool:
         """False once the connection failed; it never comes back (§9.8)."""
-        return self._state is not None and self._state.is_alive()
+        return self._handshaken and self._protocol.is_alive()
 
     @property
     def failure(self) -> str | None:
         """The first recorded failure reason, or ``None`` while alive."""
-        return None if self._state is None else self._state.failure
+        return self._protocol.failure
 
     @property
     def negotiated(self) -> Negotiated:
         """What the handshake granted."""
-        return self._machine.negotiated
+        return self._protocol.negotiated
+
+    @property
+    def protocol(self) -> ClientProtocol:
+        """The state machine this connection drives (for inspection)."""
+        return self._protocol
 
     async def wait_closed(self) -> None:
         """Return once the connection is dead and its transport closed."""
@@ -246,9 +173,8 @@ class V1ClientConnection:
 
     async def aclose(self) -> None:
         """Close the connection (pending calls fail with K1) and wait for the reader to stop."""
-        if self._state is None:
-            self._state = ClientConnection()
-        self._fail(CONNECTION_CLOSED)
+        self._protocol.close()
+        self._flush()
         await self.wait_closed()
         reader = self._reader
         if reader is not None and not reader.done():
@@ -271,36 +197,21 @@ class V1ClientConnection:
     ) -> RemoteSession:
         """Open a session (``session/open``) served by ``delegate``; returns after
         ``session/ready``. Non-default ``limits`` need the negotiated capability (C7)."""
-        machine = self._machine
-        self._check_alive()
-        try:
-            request_id, session_id, sends = machine.open_session(limits)
-        except ProtocolError as error:
-            raise self._fatal(error) from None
+        request_id = self._start(lambda: self._protocol.open_session(limits))
+        session_id = self._protocol.session_of(request_id)
         # Registered before anything is sent: callbacks for the session can only follow its ready.
         self._delegates[session_id] = delegate
-        future = self._register(request_id, sends)
-        try:
-            await self._drain()
-            await future
-        except asyncio.CancelledError:
-            self._cancel(request_id)
-            raise
+        await self._answer(request_id)
         session = RemoteSession(self, session_id)
         self._sessions[session_id] = session
         return session
 
     async def _execute(self, session: RemoteSession, request: ExecuteRequest) -> StartedCell:
         session_id = session.session_id
-        request_id, future = self._begin(lambda m: m.execute(session_id, request))
-        try:
-            await self._drain()
-            cell_id, initial = await future
-        except asyncio.CancelledError:
-            # Also covers a cancellation racing a just-arrived execution/started: the machine
-            # then cancels on the wire and terminates the admitted cell (§9.3).
-            self._cancel(request_id)
-            raise
+        request_id = self._start(lambda: self._protocol.execute(session_id, request))
+        # A cancellation racing a just-arrived execution/started makes the machine cancel on
+        # the wire and terminate the admitted cell (§9.3).
+        cell_id, initial = await self._answer(request_id)
 
         def abandon() -> None:
             self._schedule(self._abandon, session_id, cell_id, request_id)
@@ -309,78 +220,57 @@ class V1ClientConnection:
 
     async def _wait(self, session: RemoteSession, request: WaitRequest) -> WaitOutcome:
         session_id = session.session_id
-        request_id, future = self._begin(lambda m: m.wait(session_id, request))
-        try:
-            await self._drain()
-            outcome: WaitOutcome = await future
-        except asyncio.CancelledError:
-            self._cancel(request_id)
-            raise
+        outcome: WaitOutcome = await self._answer(
+            self._start(lambda: self._protocol.wait(session_id, request))
+        )
         return outcome
 
     async def _terminate(self, session: RemoteSession, cell_id: CellId) -> WaitOutcome:
-        session_id = session.session_id
-        request_id, future = self._begin(lambda m: m.terminate(session_id, cell_id))
-        try:
-            await self._drain()
-            outcome: WaitOutcome = await future
-        except asyncio.CancelledError:
-            self._cancel(request_id)  # the terminate goes on; its answer is discarded
-            raise
+        # Cancelled, the terminate goes on; its answer is discarded.
+        outcome: WaitOutcome = await self._answer(
+            self._start(lambda: self._protocol.terminate(session.session_id, cell_id))
+        )
         return outcome
 
-    def _start_shutdown(self, session: RemoteSession) -> asyncio.Future[None]:
-        session_id = session.session_id
-        _, future = self._begin(lambda m: m.shutdown(session_id))
+    def _start_shutdown(self, session: RemoteSession) -> asyncio.Future[Any]:
+        request_id = self._start(lambda: self._protocol.shutdown(session.session_id))
+        future = self._register(request_id)
+        self._flush()
         return future
 
     async def _drained(self, session: RemoteSession) -> None:
         """Wait until every cell of ``session`` has had its ``cell_closed``."""
-        while self._machine.open_cells(session.session_id):
+        while self._protocol.open_cells(session.session_id):
             session._cells_changed.clear()
             await session._cells_changed.wait()
 
     # -- plumbing --------------------------------------------------------------------------------
 
-    @property
-    def _machine(self) -> ClientConnection:
-        if self._state is None:
-            raise RuntimeError("the connection has not completed its handshake")
-        return self._state
-
-    def _check_alive(self) -> None:
-        failure = self._machine.failure
-        if failure is not None:
-            raise ConnectionClosed(failure)
-
-    def _begin(
-        self, start: Callable[[ClientConnection], tuple[int, Sequence[Event]]]
-    ) -> tuple[int, asyncio.Future[Any]]:
+    def _start(self, operation: Callable[[], int]) -> int:
+        """Start an operation on the machine; if it refuses, what it decided on the way (e.g.
+        the end of the connection when request ids ran out) still goes out at once."""
         try:
-            request_id, events = start(self._machine)
-        except ProtocolError as error:
-            raise self._fatal(error) from None
-        return request_id, self._register(request_id, events)
+            return operation()
+        except CodeModeError:
+            self._flush()
+            raise
 
-    def _register(self, request_id: int, events: Sequence[Event]) -> asyncio.Future[Any]:
+    def _register(self, request_id: int) -> asyncio.Future[Any]:
         future: asyncio.Future[Any] = self._loop.create_future()
         self._futures[request_id] = future
-        self._handle(events)
         return future
 
-    async def _drain(self) -> None:
-        """Back-pressure for callers: wait until the carrier took what was queued."""
-        if not self.is_alive():
-            return
+    async def _answer(self, request_id: int) -> Any:
+        """Send what the machine queued for ``request_id`` and await its answer; a caller that
+        goes away cancels the request (the machine decides what that means on the wire)."""
+        future = self._register(request_id)
+        self._flush()
         try:
-            await self._transport.drain()
-        except (TransportError, OSError) as error:
-            self._fail(write_failed(_detail(error)))
-
-    def _fatal(self, error: ProtocolError) -> ConnectionClosed:
-        """A local call hit a connection error (request id exhaustion): the connection dies."""
-        self._fail(error.message)
-        return ConnectionClosed(self._machine.failure or error.message)
+            await self._pump.drain()  # back-pressure for callers
+            return await future
+        except asyncio.CancelledError:
+            self._cancel(request_id)
+            raise
 
     def _cancel(self, request_id: int) -> None:
         # After an execution/started that raced the cancellation this is the initial-response
@@ -388,86 +278,55 @@ class V1ClientConnection:
         future = self._futures.pop(request_id, None)
         if future is not None and not future.done():
             future.cancel()
-        self._call(lambda m: m.cancel(request_id))
+        self._protocol.cancel(request_id)
+        self._flush()
 
     def _abandon(self, session_id: str, cell_id: CellId, request_id: int) -> None:
         future = self._futures.pop(request_id, None)
         if future is not None and not future.done():
             future.cancel()
-        self._call(lambda m: m.abandon_cell(session_id, cell_id, request_id))
-
-    def _call(self, step: Callable[[ClientConnection], Sequence[Event]]) -> None:
-        """Run a machine step whose only failure is a connection error, and act on its events."""
-        try:
-            events = step(self._machine)
-        except ProtocolError as error:
-            self._fail(error.message)
-            return
-        self._handle(events)
+        self._protocol.abandon_cell(session_id, cell_id, request_id)
+        self._flush()
 
     def _schedule(self, function: Callable[..., None], *args: Any) -> None:
         # Abandonment may run from a finalizer (any time, even inside the machine): defer it.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(function, *args)
 
-    def _fail(self, reason: str) -> None:
-        self._handle(self._machine.fail(reason))
-
-    def _handle(self, events: Sequence[Event]) -> None:
-        write_failure: str | None = None
-        for event in events:
-            if isinstance(event, Send):
-                if write_failure is None:
-                    write_failure = self._write(event)
-            else:
-                self._apply(event)
-        if write_failure is not None:
-            self._fail(write_failed(write_failure))
-
-    def _write(self, send: Send) -> str | None:
-        if not self.is_alive():
-            return None
-        lane = send.lane if self._transport.dual else Lane.CONTROL
-        try:
-            self._transport.send(send.frame, lane)
-        except (TransportError, OSError) as error:
-            return _detail(error)
-        return None
-
-    def _apply(self, event: Event) -> None:
+    def _apply(self, event: ev.ClientEvent) -> None:
         futures = self._futures
-        if isinstance(event, CallbackRequested):
+        if isinstance(event, ev.CallbackRequested):
             self._run_callback(event)
-        elif isinstance(event, CallbackCancelled):
+        elif isinstance(event, ev.CallbackCancelled):
             token = self._tokens.get(event.delegate_id)
             if token is not None:
                 token.cancel()
-        elif isinstance(event, CellClosedEvent):
+        elif isinstance(event, ev.CellClosed):
             self._cell_closed(event.session_id, event.cell_id)
-        elif isinstance(event, ExecutionStartedEvent):
+        elif isinstance(event, ev.CellStarted):
             future = futures.pop(event.request_id, None)
             initial: asyncio.Future[RuntimeResponse] = self._loop.create_future()
             futures[event.request_id] = initial
             _resolve(future, (event.cell_id, initial))
-        elif isinstance(event, InitialResponse):
+        elif isinstance(event, ev.InitialResponse):
             _resolve(futures.pop(event.request_id, None), event.response)
-        elif isinstance(event, WaitAnswered):
+        elif isinstance(event, ev.WaitAnswered):
             _resolve(futures.pop(event.request_id, None), event.outcome)
-        elif isinstance(event, SessionOpened | SessionShutDown):
+        elif isinstance(event, ev.SessionOpened | ev.SessionShutDown):
             _resolve(futures.pop(event.request_id, None), None)
-        elif isinstance(event, OperationFailed):
+        elif isinstance(event, ev.OperationFailed):
             future = futures.pop(event.request_id, None)
             error_type = ConnectionClosed if event.connection_lost else CodeModeError
             if future is not None and not future.done():
                 future.set_exception(error_type(event.message))
                 future.exception()  # a caller that went away must not trigger "never retrieved"
-        elif isinstance(event, SessionForgotten):
+        elif isinstance(event, ev.SessionForgotten):
             self._delegates.pop(event.session_id, None)
             self._sessions.pop(event.session_id, None)
-        elif isinstance(event, ConnectionFailed):
-            self._connection_failed(event.reason)
+        elif isinstance(event, ev.ConnectionEnded):
+            self._connection_ended(event.reason or "")
 
-    def _connection_failed(self, reason: str) -> None:
+    def _connection_ended(self, reason: str) -> None:
         self._dead.set()
         reader = self._reader
         if reader is not None and reader is not asyncio.current_task():
@@ -495,128 +354,52 @@ class V1ClientConnection:
 
     # -- the reader ------------------------------------------------------------------------------
 
+    async def _read_once(self) -> None:
+        if not await self._pump.receive():
+            status = None if self._exit_status is None else await self._exit_status()
+            if status is None:
+                self._protocol.receive_eof()
+            else:
+                self._protocol.host_exited(status)
+            self._flush()
+
     async def _read_loop(self) -> None:
-        transport = self._transport
-        dual = transport.dual
-        reason: str | None = None
         try:
-            while reason is None and self.is_alive():
-                try:
-                    item = await transport.receive()
-                except (ProtocolError, ConnectionClosed) as error:
-                    reason = error.message  # a carrier's exact reason (e.g. K7)
-                    break
-                except (CodeModeError, OSError) as error:
-                    reason = read_failed(_detail(error))
-                    break
-                if item is None:
-                    reason = await self._eof_reason() if self.is_alive() else None
-                    break
-                payload, lane = item
-                try:
-                    message = self._decoder.decode(payload)
-                except FrameError as error:
-                    reason = read_failed(error.message)
-                    break
-                if dual and not allows_lane(message, lane):
-                    reason = wrong_lane(message_type(message), lane)
-                    break
-                try:
-                    events = self._machine.receive(message)
-                except ProtocolError as error:
-                    reason = error.message
-                    break
-                self._handle(events)
+            while self._protocol.is_alive():
+                await self._read_once()
         except asyncio.CancelledError:
-            if self.is_alive():
-                reason = CONNECTION_CLOSED
+            self._protocol.close()
+            self._flush()
             raise
         except Exception as error:  # a bug here must not leave callers hanging
             logger.exception("the V1 client reader failed")
-            reason = read_failed(_detail(error))
-        finally:
-            if reason is not None:
-                self._fail(reason)
+            self._protocol.read_failed(describe(error))
+            self._flush()
 
     # -- callbacks -------------------------------------------------------------------------------
 
-    def _run_callback(self, event: CallbackRequested) -> None:
+    def _run_callback(self, event: ev.CallbackRequested) -> None:
         delegate = self._delegates.get(event.session_id, _NOOP_DELEGATE)
         token = CancellationToken()
-        self._tokens[event.delegate_id] = token
-        callback = event.callback
-        coroutine: Awaitable[Any]
-        if isinstance(callback, NotificationCallback):
-            coroutine = delegate.notify(callback.call_id, callback.cell_id, callback.text, token)
-        else:
-            coroutine = delegate.invoke_tool(callback.invocation, token)
-        is_notification = isinstance(callback, NotificationCallback)
         delegate_id = event.delegate_id
-        if isinstance(coroutine, Coroutine):
-            # Run the first step now: a delegate that answers without suspending is settled in
-            # this loop iteration (no Task, no wake-up, no done-callback hop).
-            context = contextvars.copy_context()
-            try:
-                yielded = context.run(coroutine.send, None)
-            except StopIteration as stop:
-                self._tokens.pop(delegate_id, None)
-                self._settle(delegate_id, _ok(stop.value, is_notification))
-                return
-            except BaseException as error:
-                self._tokens.pop(delegate_id, None)
-                self._settle(delegate_id, _failed(error))
-                if not isinstance(error, Exception):
-                    raise
-                return
-            coroutine = _resume(coroutine, yielded)
-            task = self._loop.create_task(
-                self._serve(delegate_id, coroutine, is_notification), context=context
-            )
+        self._tokens[delegate_id] = token
+        callback = event.callback
+        if isinstance(callback, ev.NotificationCallback):
+            call = delegate.notify(callback.call_id, callback.cell_id, callback.text, token)
         else:
-            task = asyncio.ensure_future(self._serve(delegate_id, coroutine, is_notification))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+            call = delegate.invoke_tool(callback.invocation, token)
 
-    async def _serve(
-        self, delegate_id: int, awaitable: Awaitable[Any], is_notification: bool
-    ) -> None:
-        # Settles from inside the task: no done-callback hop through the loop.
-        try:
-            value = await awaitable
-        except asyncio.CancelledError:
+        def settle(result: CallbackResult) -> None:
             self._tokens.pop(delegate_id, None)
-            self._settle(delegate_id, CallbackFailed(CALLBACK_TASK_CANCELLED))
-            raise
-        except BaseException as error:
-            self._tokens.pop(delegate_id, None)
-            self._settle(delegate_id, _failed(error))
-            if not isinstance(error, Exception):
-                raise
-            return
-        self._tokens.pop(delegate_id, None)
-        self._settle(delegate_id, _ok(value, is_notification))
+            self._protocol.finish_callback(delegate_id, result)
+            self._flush()
 
-    def _settle(self, delegate_id: int, result: CallbackResult) -> None:
-        self._call(lambda m: m.finish_callback(delegate_id, result))
-
-    def _callback_done(
-        self, delegate_id: int, task: asyncio.Future[Any], is_notification: bool
-    ) -> None:
-        self._tasks.discard(task)
-        self._tokens.pop(delegate_id, None)
-        result: CallbackResult
-        if task.cancelled():
-            result = CallbackFailed(CALLBACK_TASK_CANCELLED)
-        elif (error := task.exception()) is not None:
-            if isinstance(error, CodeModeError):
-                result = CallbackFailed(error.message)
-            else:
-                result = CallbackFailed(delegate_failed(_detail(error)))
-        elif is_notification:
-            result = NotificationAccepted()
-        else:
-            result = ToolReturned(task.result())
-        self._call(lambda m: m.finish_callback(delegate_id, result))
+        task = serve_callback(
+            call, settle, notification=isinstance(callback, ev.NotificationCallback)
+        )
+        if task is not None:
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     def _cell_closed(self, session_id: str, cell_id: CellId) -> None:
         delegate = self._delegates.get(session_id)
@@ -630,48 +413,13 @@ class V1ClientConnection:
             session._cells_changed.set()
 
 
-async def _guard(awaitable: Awaitable[T]) -> T:
-    return await awaitable
-
-
-def _ok(value: Any, is_notification: bool) -> CallbackResult:
-    return NotificationAccepted() if is_notification else ToolReturned(value)
-
-
-def _failed(error: BaseException) -> CallbackResult:
-    if isinstance(error, CodeModeError):
-        return CallbackFailed(error.message)
-    return CallbackFailed(delegate_failed(_detail(error)))
-
-
-@types.coroutine
-def _resume(coroutine: Coroutine[Any, Any, T], yielded: Any) -> Generator[Any, Any, T]:
-    """``yield from coroutine`` for a coroutine whose first step already yielded ``yielded``."""
-    while True:
-        try:
-            sent = yield yielded
-        except GeneratorExit:
-            coroutine.close()
-            raise
-        except BaseException as error:
-            try:
-                yielded = coroutine.throw(error)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
-        else:
-            try:
-                yielded = coroutine.send(sent)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
-
-
 def _resolve(future: asyncio.Future[Any] | None, value: object) -> None:
     if future is not None and not future.done():
         future.set_result(value)
 
 
 class RemoteSession(CodeModeSession):
-    """A :class:`~codemode.protocol.session.CodeModeSession` served by a V1 host.
+    """A :class:`~codemode.session.CodeModeSession` served by a V1 host.
 
     It behaves like the embedded session for its caller (§1.5): ``execute`` returns at admission,
     abandoning a :class:`StartedCell` terminates the cell, cancelling ``wait`` only retires the
@@ -729,7 +477,7 @@ async def connect_v1(
     dual: bool = False,
     handshake_timeout: float = HANDSHAKE_TIMEOUT,
     open_bulk: OpenBulk | None = None,
-    eof_reason: EofReason | None = None,
+    exit_status: ExitStatus | None = None,
     wire_revision: WireRevision | str = WireRevision.PINNED,
 ) -> V1ClientConnection:
     """Handshake over ``transport`` and start the reader; the entry point for every carrier.
@@ -739,7 +487,7 @@ async def connect_v1(
     shape of runtime responses accepted from the host; the handshake is the same in both.
     """
     connection = V1ClientConnection(
-        transport, dual=dual, eof_reason=eof_reason, wire_revision=wire_revision
+        transport, dual=dual, exit_status=exit_status, wire_revision=wire_revision
     )
     await connection.handshake(timeout=handshake_timeout, open_bulk=open_bulk)
     connection.start()

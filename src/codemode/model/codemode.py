@@ -30,11 +30,7 @@ from codemode.model.handler import (
 from codemode.model.registry import NotifyCallback, Tool, ToolRegistry
 from codemode.model.render import RenderedOutput
 from codemode.protocol.constants import PUBLIC_TOOL_NAME, WAIT_TOOL_NAME
-from codemode.protocol.session import (
-    SESSION_SHUTTING_DOWN,
-    CodeModeSession,
-    CodeModeSessionProvider,
-)
+from codemode.protocol.texts import SESSION_SHUTTING_DOWN
 from codemode.protocol.types import (
     JSON,
     CellId,
@@ -42,6 +38,10 @@ from codemode.protocol.types import (
     InputText,
 )
 from codemode.runtime import LocalSessionProvider
+from codemode.session import (
+    CodeModeSession,
+    CodeModeSessionProvider,
+)
 
 __all__ = ["CodeMode"]
 

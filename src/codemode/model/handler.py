@@ -17,7 +17,6 @@ from codemode.errors import CodeModeError
 from codemode.model.exec_tool import parse_wait_arguments
 from codemode.model.render import RenderedOutput, render_outcome, render_response
 from codemode.protocol.pragma import parse_exec_source
-from codemode.protocol.session import CodeModeSession
 from codemode.protocol.types import (
     CellId,
     ExecuteRequest,
@@ -29,6 +28,7 @@ from codemode.protocol.types import (
     WaitRequest,
     Yielded,
 )
+from codemode.session import CodeModeSession
 
 __all__ = [
     "EXEC_EXPECTS_FREEFORM",

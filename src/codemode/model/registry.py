@@ -2,7 +2,7 @@
 
 Decorate functions with :func:`tool` (or :meth:`ToolRegistry.tool`); the registry publishes them as
 :class:`~codemode.protocol.types.ToolDefinition` values for :class:`ExecuteRequest` and, being a
-:class:`~codemode.protocol.session.CodeModeSessionDelegate`, dispatches the calls cells make.
+:class:`~codemode.session.CodeModeSessionDelegate`, dispatches the calls cells make.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import msgspec
 from codemode.errors import CodeModeError
 from codemode.model.exec_tool import NamespaceDescription
 from codemode.protocol.constants import PUBLIC_TOOL_NAME, WAIT_TOOL_NAME
-from codemode.protocol.session import CancellationToken, CodeModeSessionDelegate
 from codemode.protocol.types import (
     JSON,
     CellId,
@@ -31,6 +30,7 @@ from codemode.protocol.types import (
     ToolDefinition,
     ToolName,
 )
+from codemode.session import CancellationToken, CodeModeSessionDelegate
 
 __all__ = [
     "NotifyCallback",

@@ -1,4 +1,4 @@
-"""The transport-neutral core: domain types, the session API, the exec pragma. No I/O."""
+"""The transport-neutral core: domain types, constants, the exec pragma. No I/O."""
 
 from codemode.protocol.constants import (
     CODE_MODE_PRAGMA_PREFIX,
@@ -9,14 +9,6 @@ from codemode.protocol.constants import (
     WAIT_TOOL_NAME,
 )
 from codemode.protocol.pragma import ParsedExecSource, parse_exec_source
-from codemode.protocol.session import (
-    CancellationToken,
-    CodeModeSession,
-    CodeModeSessionDelegate,
-    CodeModeSessionProvider,
-    NoopCodeModeSessionDelegate,
-    StartedCell,
-)
 from codemode.protocol.types import (
     JSON,
     CellId,
@@ -49,13 +41,9 @@ __all__ = [
     "JSON",
     "PUBLIC_TOOL_NAME",
     "WAIT_TOOL_NAME",
-    "CancellationToken",
     "CellId",
     "CodeModeNestedToolCall",
-    "CodeModeSession",
     "CodeModeSessionCellExecutionLimits",
-    "CodeModeSessionDelegate",
-    "CodeModeSessionProvider",
     "CodeModeToolKind",
     "ContentItem",
     "ExecuteRequest",
@@ -65,11 +53,9 @@ __all__ = [
     "InputText",
     "LiveCell",
     "MissingCell",
-    "NoopCodeModeSessionDelegate",
     "ParsedExecSource",
     "Result",
     "RuntimeResponse",
-    "StartedCell",
     "Terminated",
     "ToolDefinition",
     "ToolName",

@@ -19,13 +19,12 @@ import msgspec
 
 from codemode.errors import CodeModeError
 from codemode.protocol.constants import CALLBACK_GRACE, MAX_PENDING_DELEGATE_CALLS
-from codemode.protocol.session import (
-    DELEGATE_TASK_CANCELLED,
-    CancellationToken,
-    delegate_result_not_json,
-    delegate_task_failed,
+from codemode.protocol.delegation import CallbackFailed, CallbackResult, tool_result_json
+from codemode.protocol.texts import (
+    EXEC_RUNTIME_ENDED_UNEXPECTEDLY,
+    TOO_MANY_CALLBACKS,
+    notification_not_delivered,
 )
-from codemode.protocol.strict_json import non_finite_number
 from codemode.protocol.types import (
     CellId,
     CodeModeNestedToolCall,
@@ -39,7 +38,8 @@ from codemode.protocol.types import (
     ToolDefinition,
     Yielded,
 )
-from codemode.runtime.engine import NodeEngine, encode_json
+from codemode.runtime.engine import NodeEngine
+from codemode.session import CancellationToken, serve_callback
 
 if TYPE_CHECKING:
     from codemode.runtime.session import LocalSession
@@ -59,21 +59,21 @@ MAX_BUFFERED_OUTPUT_CHARS: Final = 16 * 1024 * 1024
 ITEM_OVERHEAD_CHARS: Final = 64
 #: Error texts longer than this are cut (a cell can throw a string of any size).
 MAX_ERROR_TEXT_CHARS: Final = 1024 * 1024
-PENDING_LIMIT_TEXT: Final = (
-    f"code-mode host exceeded the limit of {MAX_PENDING_DELEGATE_CALLS} pending delegate calls"
-)
-#: Python 3.12+: a task factory that runs the coroutine's first step at once, so a tool that
-#: answers without awaiting completes inside ``on_call`` (no Task scheduling round).
-_EAGER_TASK_FACTORY: Final[Any] = getattr(asyncio, "eager_task_factory", None)
 
 
-def _start_task(
-    loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, None]
-) -> asyncio.Task[None]:
-    if _EAGER_TASK_FACTORY is not None:
-        task: asyncio.Task[None] = _EAGER_TASK_FACTORY(loop, coro)
-        return task
-    return loop.create_task(coro)
+_FINISHING: set[asyncio.Task[None]] = set()
+
+
+def _log_undelivered(result: CallbackResult) -> None:
+    if isinstance(result, CallbackFailed):
+        logger.warning("%s", notification_not_delivered(result.message))
+
+
+def _spawn(coroutine: Coroutine[Any, Any, None]) -> None:
+    """Run a cell's ending in the background (held here: the loop keeps only weak references)."""
+    task = asyncio.ensure_future(coroutine)
+    _FINISHING.add(task)
+    task.add_done_callback(_FINISHING.discard)
 
 
 class _State(Enum):
@@ -125,7 +125,6 @@ class Cell:
         self._notifications: dict[asyncio.Future[None], CancellationToken] = {}
         self._stopped = asyncio.Event()
         self._closed_event = asyncio.Event()
-        self._finishing: asyncio.Task[None] | None = None
 
     @property
     def closed(self) -> bool:
@@ -243,7 +242,7 @@ class Cell:
             self._engine.send_result(self.key, call_id, False, "unknown tool")
             return
         if self._session.pending_calls >= MAX_PENDING_DELEGATE_CALLS:
-            self._engine.send_result(self.key, call_id, False, PENDING_LIMIT_TEXT)
+            self._engine.send_result(self.key, call_id, False, TOO_MANY_CALLBACKS)
             return
         try:
             arguments = None if input_json is None else _DECODER.decode(input_json)
@@ -255,63 +254,45 @@ class Cell:
         invocation = CodeModeNestedToolCall(
             self.cell_id, call_id, definition.tool_name, definition.kind, arguments
         )
-        task = _start_task(self._loop, self._serve_call(call_id, invocation, token))
-        if not task.done():  # an eagerly started tool may already have answered
+
+        def settle(result: CallbackResult) -> None:
+            self._calls.pop(call_id, None)
+            if token.is_cancelled() or self._state is not _State.RUNNING:
+                return  # nobody wants it any more
+            if isinstance(result, CallbackFailed):
+                self._engine.send_result(self.key, call_id, False, result.message)
+                return
+            try:
+                encoded = tool_result_json(getattr(result, "value", None))
+            except CodeModeError as error:
+                self._engine.send_result(self.key, call_id, False, error.message)
+                return
+            self._engine.send_result(self.key, call_id, True, msgspec.Raw(encoded))
+
+        call = self._session.delegate.invoke_tool(invocation, token)
+        task = serve_callback(call, settle)
+        if task is not None:  # an eagerly started tool may already have answered
             self._calls[call_id] = (task, token)
             self._session.pending_calls += 1
             task.add_done_callback(self._session.callback_done)
-
-    async def _serve_call(
-        self, call_id: str, invocation: CodeModeNestedToolCall, token: CancellationToken
-    ) -> None:
-        # Settles the call from inside its own task: no done-callback hop through the loop.
-        value: str | msgspec.Raw
-        try:
-            result = await self._session.delegate.invoke_tool(invocation, token)
-        except asyncio.CancelledError:
-            self._settle_call(call_id, token, False, DELEGATE_TASK_CANCELLED)
-            raise
-        except CodeModeError as error:
-            ok, value = False, error.message
-        except Exception as error:
-            ok, value = False, delegate_task_failed(str(error))
-        else:
-            try:
-                encoded = encode_json(result)
-                if b"null" in encoded and (number := non_finite_number(result)) is not None:
-                    raise ValueError(f"{number} is not a JSON number")
-                ok, value = True, msgspec.Raw(encoded)
-            except (TypeError, ValueError, OverflowError) as error:
-                ok, value = False, delegate_result_not_json(str(error))
-        self._settle_call(call_id, token, ok, value)
-
-    def _settle_call(
-        self, call_id: str, token: CancellationToken, ok: bool, value: str | msgspec.Raw
-    ) -> None:
-        self._calls.pop(call_id, None)
-        if token.is_cancelled() or self._state is not _State.RUNNING:
-            return  # nobody wants it any more
-        self._engine.send_result(self.key, call_id, ok, value)
 
     def on_notify(self, text: str) -> None:
         if self._state is not _State.RUNNING:
             return
         if self._session.pending_calls >= MAX_PENDING_DELEGATE_CALLS:
-            logger.warning("failed to deliver code mode notification: %s", PENDING_LIMIT_TEXT)
+            logger.warning("%s", notification_not_delivered(TOO_MANY_CALLBACKS))
             return
         token = CancellationToken()
-        task = asyncio.ensure_future(
-            self._session.delegate.notify(self._call_id, self.cell_id, text, token)
-        )
-        self._notifications[task] = token
-        self._session.pending_calls += 1
-        task.add_done_callback(self._session.callback_done)
-        task.add_done_callback(self._notification_done)
+        call = self._session.delegate.notify(self._call_id, self.cell_id, text, token)
+        task = serve_callback(call, _log_undelivered, notification=True)
+        if task is not None:
+            self._notifications[task] = token
+            self._session.pending_calls += 1
+            task.add_done_callback(self._session.callback_done)
+            task.add_done_callback(self._notification_done)
 
     def _notification_done(self, task: asyncio.Future[None]) -> None:
         self._notifications.pop(task, None)
-        if not task.cancelled() and (error := task.exception()) is not None:
-            logger.warning("failed to deliver code mode notification: %s", error)
 
     def on_done(self, error: str | None, writes: list[tuple[str, str]]) -> None:
         if error is not None and len(error) > MAX_ERROR_TEXT_CHARS:
@@ -321,7 +302,7 @@ class Cell:
             )
         if self._state is _State.RUNNING:
             self._state = _State.FINISHING
-            self._finishing = asyncio.ensure_future(self._finish(error, writes, natural=True))
+            _spawn(self._finish(error, writes, natural=True))
 
     def on_exited(self, reason: str, detail: str | None) -> None:
         self._stopped.set()
@@ -336,13 +317,13 @@ class Cell:
         else:
             if detail:
                 logger.warning("exec cell %s: engine failure: %s", self.cell_id, detail)
-            message = "exec runtime ended unexpectedly"
+            message = EXEC_RUNTIME_ENDED_UNEXPECTEDLY
         self._end(message)
 
     def _end(self, message: str) -> None:
         """Ends the running cell with ``message`` as an error (not a natural completion)."""
         self._state = _State.FINISHING
-        self._finishing = asyncio.ensure_future(self._finish(message, [], natural=False))
+        _spawn(self._finish(message, [], natural=False))
 
     # -- ends ------------------------------------------------------------------------------------
 

@@ -17,14 +17,14 @@ import logging
 import os
 import shutil
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, Literal, Protocol
 
 import msgspec
 
-from codemode.errors import CodeModeError
+from codemode.errors import CodeModeError, FrameError
 from codemode.protocol.types import ContentItem, ImageDetail, InputAudio, InputImage, InputText
+from codemode.protocol.v1.codec import NEED_DATA, FrameDecoder, encode_frame
 from codemode.runtime.confinement import ConfinementReport
 
 __all__ = ["DEFAULT_MEMORY_CAP_BYTES", "CellEvents", "EngineBreach", "NodeEngine", "find_node"]
@@ -40,6 +40,8 @@ _PAGE_SIZE: Final = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 40
 DEFAULT_MEMORY_CAP_BYTES: Final = 2 * 1024 * 1024 * 1024
 #: The largest frame the engine may send; its items are capped far below (16 Mi characters).
 MAX_ENGINE_FRAME_BYTES: Final = 256 * 1024 * 1024
+#: What a 4-byte length prefix can describe (what Python sends is bounded by its own limits).
+_MAX_FRAME_TO_ENGINE: Final = 2**32 - 1
 _ENCODER: Final = msgspec.json.Encoder()
 _reported = False  # the confinement layers are logged once per process
 _addons: dict[str, Path] = {}  # node binary -> its isolated-vm directory
@@ -154,10 +156,24 @@ def _item(message: _Item) -> ContentItem:
     return InputAudio(message.value)
 
 
+class _Batches:
+    """Decodes one engine frame's payload into its messages (malformed is a breach)."""
+
+    __slots__ = ()
+
+    def decode(
+        self, data: bytes | bytearray, start: int = 0, end: int | None = None
+    ) -> list[_EngineMessage]:
+        try:
+            return _BATCH.decode(memoryview(data)[start : len(data) if end is None else end])
+        except msgspec.DecodeError as error:
+            raise EngineBreach(f"malformed engine frame: {error}") from None
+
+
 class _HostProtocol(asyncio.SubprocessProtocol):
     def __init__(self, engine: NodeEngine) -> None:
         self._engine = engine
-        self._buffer = bytearray()
+        self._frames = FrameDecoder(_Batches(), MAX_ENGINE_FRAME_BYTES)
         self._stderr = bytearray()
 
     def pipe_data_received(self, fd: int, data: bytes) -> None:
@@ -168,32 +184,18 @@ class _HostProtocol(asyncio.SubprocessProtocol):
             for line in lines:
                 logger.debug("engine: %s", line[:4096].decode("utf-8", "replace"))
             return
-        buffer = self._buffer
-        buffer += data
-        offset = 0
+        frames = self._frames
         engine = self._engine
         engine._dispatching = True
         try:
-            while len(buffer) - offset >= 4:
-                size = int.from_bytes(buffer[offset : offset + 4], "little")
-                if size > MAX_ENGINE_FRAME_BYTES:
-                    raise EngineBreach(f"engine frame of {size} bytes")
-                end = offset + 4 + size
-                if len(buffer) < end:
-                    break
-                try:
-                    batch = _BATCH.decode(memoryview(buffer)[offset + 4 : end])
-                except msgspec.DecodeError as error:
-                    raise EngineBreach(f"malformed engine frame: {error}") from None
-                engine._dispatch(batch)
-                offset = end
-        except EngineBreach as breach:
+            frames.receive_data(data)
+            while (batch := frames.next_message()) is not NEED_DATA:
+                engine._dispatch(batch)  # type: ignore[arg-type]
+        except (EngineBreach, FrameError) as breach:
             engine._breach(str(breach))
             return
         finally:
             engine._dispatching = False
-        if offset:
-            del buffer[:offset]
         if engine._flush_scheduled:
             engine._flush()  # what dispatching produced (e.g. tool results) leaves as one frame now
 
@@ -455,10 +457,7 @@ class NodeEngine:
         self._results = {}
         if not batch or self._stdin is None or self._stdin.is_closing():
             return
-        buffer = bytearray(4)
-        _ENCODER.encode_into(batch, buffer, 4)
-        buffer[:4] = (len(buffer) - 4).to_bytes(4, "little")
-        self._stdin.write(buffer)
+        self._stdin.write(encode_frame(batch, _MAX_FRAME_TO_ENGINE))
 
     def _dispatch(self, batch: list[_EngineMessage]) -> None:
         cells = self._cells
@@ -519,7 +518,3 @@ def _engine_environment() -> dict[str, str]:
         if name in os.environ:
             env[name] = os.environ[name]
     return env
-
-
-#: Builds the raw JSON of a tool result, or raises TypeError/ValueError if it is not JSON.
-encode_json: Callable[[Any], bytes] = _ENCODER.encode

@@ -20,13 +20,7 @@ import msgspec
 from codemode.errors import CodeModeError
 from codemode.protocol.constants import DEFAULT_EXEC_YIELD_TIME_MS
 from codemode.protocol.identifiers import normalize_identifier
-from codemode.protocol.session import (
-    SESSION_SHUTTING_DOWN,
-    CodeModeSession,
-    CodeModeSessionDelegate,
-    CodeModeSessionProvider,
-    StartedCell,
-)
+from codemode.protocol.texts import SESSION_SHUTTING_DOWN
 from codemode.protocol.types import (
     CellId,
     CodeModeSessionCellExecutionLimits,
@@ -40,6 +34,12 @@ from codemode.protocol.types import (
 )
 from codemode.runtime.cell import Cell
 from codemode.runtime.engine import DEFAULT_MEMORY_CAP_BYTES, NodeEngine
+from codemode.session import (
+    CodeModeSession,
+    CodeModeSessionDelegate,
+    CodeModeSessionProvider,
+    StartedCell,
+)
 
 __all__ = [
     "EnginePool",

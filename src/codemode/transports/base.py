@@ -7,22 +7,39 @@ from typing import Protocol
 from codemode.errors import CodeModeError
 from codemode.protocol.v1.lanes import Lane
 
-__all__ = ["FrameTransport", "TransportError"]
+__all__ = ["FrameTransport", "TextMessageReceived", "TransportError", "describe"]
+
+
+def describe(error: BaseException) -> str:
+    """The detail of an I/O failure as it goes into a protocol text (its message, or its type)."""
+    return str(error) or type(error).__name__
 
 
 class TransportError(CodeModeError):
     """Reading or writing the underlying channel failed (the message says how)."""
 
 
-class FrameTransport(Protocol):
-    """Moves whole V1 frames (4-byte little-endian length prefix + payload).
+class TextMessageReceived(TransportError):
+    """The peer sent a text WebSocket message where only binary frames are allowed."""
 
-    ``dual`` carriers have a control and a bulk lane; single carriers use ``Lane.CONTROL`` only.
+
+class FrameTransport(Protocol):
+    """Moves V1 bytes between two peers and never looks inside them.
+
+    A byte-stream carrier (``whole_frames`` false) returns reads as they come, in any chunking;
+    a message carrier (WebSocket, ``whole_frames`` true) returns one binary message per read,
+    which must hold exactly one frame. ``dual`` carriers have a control and a bulk lane; single
+    carriers use ``Lane.CONTROL`` only.
     """
 
     @property
     def dual(self) -> bool:
         """True when the carrier has separate control and bulk lanes."""
+        ...
+
+    @property
+    def whole_frames(self) -> bool:
+        """True when every read is one whole frame (a WebSocket message)."""
         ...
 
     def send(self, frame: bytes | bytearray, lane: Lane = Lane.CONTROL) -> None:
@@ -37,10 +54,9 @@ class FrameTransport(Protocol):
         ...
 
     async def receive(self) -> tuple[bytes, Lane] | None:
-        """The next frame's payload and the lane it came on; ``None`` at a clean end of stream.
+        """The next bytes read and the lane they came on; ``None`` at a clean end of stream.
 
-        Raises :class:`~codemode.errors.FrameError` for framing errors and
-        :class:`TransportError` when the channel breaks.
+        Raises :class:`TransportError` when the channel breaks.
         """
         ...
 

@@ -9,14 +9,12 @@ import stat
 import sys
 from typing import Final, Protocol
 
-from codemode.protocol.v1.codec import EOF, NEED_DATA, FrameDecoder, RawPayloads
 from codemode.protocol.v1.lanes import Lane
-from codemode.transports.base import TransportError
+from codemode.transports.base import TransportError, describe
 
 __all__ = ["ByteWriter", "StreamTransport", "stdio_transport"]
 
 _READ_CHUNK: Final = 1 << 16
-_RAW: Final = RawPayloads()
 
 
 class ByteWriter(Protocol):
@@ -33,11 +31,11 @@ class StreamTransport:
     """A single-lane :class:`~codemode.transports.base.FrameTransport` over a byte stream."""
 
     dual = False
+    whole_frames = False
 
     def __init__(self, reader: asyncio.StreamReader, writer: ByteWriter | None) -> None:
         self._reader = reader
         self._writer = writer
-        self._frames: FrameDecoder[bytes] = FrameDecoder(_RAW)
         self._closed = False
 
     def send(self, frame: bytes | bytearray, lane: Lane = Lane.CONTROL) -> None:
@@ -47,7 +45,7 @@ class StreamTransport:
         try:
             writer.write(frame)
         except (OSError, RuntimeError) as error:
-            raise TransportError(str(error) or type(error).__name__) from None
+            raise TransportError(describe(error)) from None
 
     async def drain(self) -> None:
         writer = self._writer
@@ -56,28 +54,18 @@ class StreamTransport:
         try:
             await writer.drain()
         except (OSError, RuntimeError) as error:
-            raise TransportError(str(error) or type(error).__name__) from None
+            raise TransportError(describe(error)) from None
 
     async def receive(self) -> tuple[bytes, Lane] | None:
-        frames = self._frames
-        while True:
-            payload = frames.next_message()  # raises FrameError; final errors stay final
-            if payload is NEED_DATA:
-                if self._closed:
-                    return None
-                try:
-                    chunk = await self._reader.read(_READ_CHUNK)
-                except (OSError, RuntimeError) as error:
-                    raise TransportError(str(error) or type(error).__name__) from None
-                if chunk:
-                    frames.receive_data(chunk)
-                else:
-                    frames.receive_eof()
-                continue
-            if payload is EOF:
-                return None
-            assert isinstance(payload, bytes)
-            return payload, Lane.CONTROL
+        if self._closed:
+            return None
+        try:
+            chunk = await self._reader.read(_READ_CHUNK)
+        except (OSError, RuntimeError) as error:
+            raise TransportError(describe(error)) from None
+        if not chunk or self._closed:
+            return None
+        return chunk, Lane.CONTROL
 
     async def close(self) -> None:
         self._closed = True
@@ -88,11 +76,6 @@ class StreamTransport:
             writer.close()
             with contextlib.suppress(OSError, RuntimeError):
                 await writer.wait_closed()
-
-    @property
-    def bytes_consumed(self) -> int:
-        """Stream offset of the next unread frame (for diagnostics)."""
-        return self._frames.consumed
 
 
 class _BlockingWriter:

@@ -1,9 +1,11 @@
-"""Protocol V1: strict wire messages, domain conversions, the frame codec, lanes, handshake.
+"""Protocol V1: strict wire messages, domain conversions, the frame codec, lanes, handshake, and
+the two connection machines (:class:`ClientProtocol`, :class:`HostProtocol`).
 
-Everything here is sans-I/O: it turns bytes into messages and messages into bytes, and never
+Everything here is sans-I/O: it turns bytes into events and decisions into bytes, and never
 touches a socket.
 """
 
+from codemode.protocol.v1.client import ClientProtocol
 from codemode.protocol.v1.codec import (
     EOF,
     NEED_DATA,
@@ -21,16 +23,20 @@ from codemode.protocol.v1.handshake import (
     negotiate,
     reject_reason_text,
 )
-from codemode.protocol.v1.lanes import Lane, allows_lane, bulk_url, lane_of
+from codemode.protocol.v1.host import HostProtocol
+from codemode.protocol.v1.lanes import Lane, allows_lane, lane_of
 from codemode.protocol.v1.messages import WIRE_TYPES, ClientToHost, HostToClient
 from codemode.protocol.v1.revision import WireRevision
+from codemode.protocol.v1.urls import bulk_url
 
 __all__ = [
     "EOF",
     "NEED_DATA",
     "WIRE_TYPES",
+    "ClientProtocol",
     "ClientToHost",
     "FrameDecoder",
+    "HostProtocol",
     "HostToClient",
     "Lane",
     "MessageDecoder",

@@ -62,10 +62,9 @@ NEED_DATA: Final = _Sentinel("NEED_DATA")
 EOF: Final = _Sentinel("EOF")
 
 
-def _oversize(length: int) -> FrameError:
+def _oversize(length: int, limit: int = MAX_FRAME_BYTES) -> FrameError:
     return FrameError(
-        FrameErrorKind.OVERSIZE,
-        f"code-mode IPC frame length {length} exceeds {MAX_FRAME_BYTES} bytes",
+        FrameErrorKind.OVERSIZE, f"code-mode IPC frame length {length} exceeds {limit} bytes"
     )
 
 
@@ -183,7 +182,7 @@ def encode_payload(message: Any) -> bytes:
         raise FrameError(FrameErrorKind.INVALID_MESSAGE, _ENCODE_PREFIX + str(error)) from None
 
 
-def encode_frame(message: Any) -> bytearray:
+def encode_frame(message: Any, max_frame_bytes: int = MAX_FRAME_BYTES) -> bytearray:
     """Encode a message as one complete frame (prefix + payload), or raise ``oversize``.
 
     The payload is encoded straight after a reserved prefix, so a large frame is never copied.
@@ -194,8 +193,8 @@ def encode_frame(message: Any) -> bytearray:
     except (TypeError, ValueError, OverflowError) as error:
         raise FrameError(FrameErrorKind.INVALID_MESSAGE, _ENCODE_PREFIX + str(error)) from None
     length = len(buffer) - _PREFIX
-    if length > MAX_FRAME_BYTES:
-        raise _oversize(length)
+    if length > max_frame_bytes:
+        raise _oversize(length, max_frame_bytes)
     buffer[:_PREFIX] = length.to_bytes(_PREFIX, "little")
     return buffer
 
@@ -236,10 +235,11 @@ class FrameDecoder(Generic[M]):
     ``invalid_message`` the decoder continues with the next frame; any other error is final.
     """
 
-    __slots__ = ("_buffer", "_decoder", "_eof", "_failed", "_position", "consumed")
+    __slots__ = ("_buffer", "_decoder", "_eof", "_failed", "_limit", "_position", "consumed")
 
-    def __init__(self, decoder: PayloadDecoder[M]) -> None:
+    def __init__(self, decoder: PayloadDecoder[M], max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self._decoder = decoder
+        self._limit = max_frame_bytes
         self._buffer: bytes | bytearray = b""
         self._position = 0
         self._eof = False
@@ -270,11 +270,6 @@ class FrameDecoder(Generic[M]):
         """Mark the end of the stream."""
         self._eof = True
 
-    @property
-    def buffered(self) -> int:
-        """Bytes received but not yet consumed."""
-        return len(self._buffer) - self._position
-
     def next_message(self) -> M | _Sentinel:
         """Return the next message, :data:`NEED_DATA` or :data:`EOF`; raise :class:`FrameError`."""
         if self._failed is not None:
@@ -293,8 +288,8 @@ class FrameDecoder(Generic[M]):
                 )
             )
         length = int.from_bytes(buffer[position : position + _PREFIX], "little")
-        if length > MAX_FRAME_BYTES:
-            raise self._fail(_oversize(length))
+        if length > self._limit:
+            raise self._fail(_oversize(length, self._limit))
         end = position + _PREFIX + length
         if len(buffer) < end:
             if not self._eof:

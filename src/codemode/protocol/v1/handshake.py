@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Final
 
-from codemode.errors import CodeModeError
+from codemode.errors import RemoteProtocolError
 from codemode.protocol.constants import (
     DUAL_WEBSOCKET_CAPABILITY,
     PROTOCOL_VERSION_V1,
@@ -26,9 +26,16 @@ from codemode.protocol.v1.messages import (
     NoCompatibleVersion,
     message_type,
 )
+from codemode.protocol.v1.texts import (
+    FIRST_MESSAGE_MUST_BE_HELLO,
+    handshake_rejected,
+    invalid_handshake_reply,
+    invalid_hello,
+    missing_required_capability,
+    no_compatible_version,
+)
 
 __all__ = [
-    "FIRST_MESSAGE_MUST_BE_HELLO",
     "HOST_SUPPORTED_VERSIONS",
     "Negotiated",
     "check_handshake_reply",
@@ -38,8 +45,6 @@ __all__ = [
 ]
 
 HOST_SUPPORTED_VERSIONS: Final = (PROTOCOL_VERSION_V1,)
-FIRST_MESSAGE_MUST_BE_HELLO: Final = "first message must be connection/hello"
-_INVALID_REPLY: Final = "code-mode host returned an invalid handshake response: "
 
 
 def client_hello(*, dual_websocket: bool = False) -> ConnectionHello:
@@ -95,44 +100,36 @@ def negotiate(
 def reject_reason_text(reason: HandshakeRejectReason) -> str:
     """The display form of a rejection reason (§3.1)."""
     if isinstance(reason, NoCompatibleVersion):
-        versions = ", ".join(str(v) for v in sorted(reason.supported_versions))
-        return f"no compatible protocol version (host supports {versions})"
+        return no_compatible_version(", ".join(str(v) for v in sorted(reason.supported_versions)))
     if isinstance(reason, MissingRequiredCapability):
-        return f"missing required capability `{reason.capability}`"
-    return f"invalid hello: {reason.message}"
+        return missing_required_capability(reason.capability)
+    return invalid_hello(reason.message)
 
 
 def check_handshake_reply(hello: ConnectionHello, reply: HostToClient) -> Negotiated:
-    """Validate the host's reply to ``hello`` (§3.4); raise :class:`CodeModeError` (C4/C5)."""
+    """Validate the host's reply to ``hello`` (§3.4); raise :class:`RemoteProtocolError` with
+    the C4 or C5 text."""
     if isinstance(reply, ConnectionRejected):
-        raise CodeModeError(
-            "code-mode host rejected the handshake: " + reject_reason_text(reply.reason)
-        )
+        raise RemoteProtocolError(handshake_rejected(reject_reason_text(reply.reason)))
     if not isinstance(reply, ConnectionReady):
-        raise CodeModeError(
-            _INVALID_REPLY + f"expected connection/ready, got {message_type(reply)}"
-        )
+        raise _invalid(f"expected connection/ready, got {message_type(reply)}")
     if reply.selected_version not in hello.supported_versions:
-        raise CodeModeError(
-            _INVALID_REPLY + f"host selected unsupported protocol version {reply.selected_version}"
-        )
+        raise _invalid(f"host selected unsupported protocol version {reply.selected_version}")
     listed = set(hello.required_capabilities) | set(hello.optional_capabilities)
     for capability in reply.capabilities:
         if capability not in listed:
-            raise CodeModeError(
-                _INVALID_REPLY + f"host granted unrequested capability `{capability}`"
-            )
+            raise _invalid(f"host granted unrequested capability `{capability}`")
     for capability in hello.required_capabilities:
         if capability not in reply.capabilities:
-            raise CodeModeError(
-                _INVALID_REPLY + f"host did not grant required capability `{capability}`"
-            )
+            raise _invalid(f"host did not grant required capability `{capability}`")
     dual = DUAL_WEBSOCKET_CAPABILITY in reply.capabilities
     token = None if reply.bulk_connection_token is UNSET else reply.bulk_connection_token
     if dual and token is None:
-        raise CodeModeError(_INVALID_REPLY + "bulkConnectionToken is missing")
+        raise _invalid("bulkConnectionToken is missing")
     if not dual and token is not None:
-        raise CodeModeError(
-            _INVALID_REPLY + f"bulkConnectionToken without `{DUAL_WEBSOCKET_CAPABILITY}`"
-        )
+        raise _invalid(f"bulkConnectionToken without `{DUAL_WEBSOCKET_CAPABILITY}`")
     return Negotiated(frozenset(reply.capabilities), token)
+
+
+def _invalid(detail: str) -> RemoteProtocolError:
+    return RemoteProtocolError(invalid_handshake_reply(detail))

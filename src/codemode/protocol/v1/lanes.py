@@ -7,7 +7,6 @@ size): tool callbacks and their results travel on the bulk socket, everything el
 from __future__ import annotations
 
 from enum import StrEnum
-from urllib.parse import urlsplit, urlunsplit
 
 from codemode.protocol.v1.messages import (
     ClientToHost,
@@ -20,7 +19,7 @@ from codemode.protocol.v1.messages import (
     WireOk,
 )
 
-__all__ = ["Lane", "allows_lane", "bulk_url", "lane_of"]
+__all__ = ["Lane", "allows_lane", "lane_of"]
 
 
 class Lane(StrEnum):
@@ -47,10 +46,3 @@ def lane_of(message: ClientToHost | HostToClient) -> Lane:
 def allows_lane(message: ClientToHost | HostToClient, lane: Lane) -> bool:
     """True when ``message`` may travel on ``lane``."""
     return lane_of(message) is Lane(lane)
-
-
-def bulk_url(control_url: str, token: str) -> str:
-    """The bulk socket URL for a control URL and a ``bulkConnectionToken``."""
-    parts = urlsplit(control_url)
-    path = parts.path.rstrip("/") + "/bulk/" + token
-    return urlunsplit((parts.scheme, parts.netloc, path, parts.query, parts.fragment))

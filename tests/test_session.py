@@ -9,18 +9,20 @@ import pytest
 
 from codemode.errors import CodeModeError
 from codemode.protocol import (
-    CancellationToken,
     CellId,
     CodeModeNestedToolCall,
-    CodeModeSession,
     CodeModeSessionCellExecutionLimits,
+    CodeModeToolKind,
+    Result,
+    ToolName,
+)
+from codemode.session import (
+    CancellationToken,
+    CodeModeSession,
     CodeModeSessionDelegate,
     CodeModeSessionProvider,
-    CodeModeToolKind,
     NoopCodeModeSessionDelegate,
-    Result,
     StartedCell,
-    ToolName,
 )
 
 CELL = CellId("1")

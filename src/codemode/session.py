@@ -9,10 +9,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
-from typing import Final
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Final
 
 from codemode.errors import CodeModeError
+from codemode.protocol.delegation import (
+    CallbackFailed,
+    CallbackResult,
+    NotificationAccepted,
+    ToolReturned,
+    callback_failure,
+)
+from codemode.protocol.texts import (
+    DELEGATE_TASK_CANCELLED,
+    EXEC_RUNTIME_ENDED_UNEXPECTEDLY,
+    NESTED_TOOLS_UNAVAILABLE,
+    PROVIDER_DOES_NOT_SUPPORT_LIMITS,
+)
 from codemode.protocol.types import (
     JSON,
     CellId,
@@ -25,38 +38,18 @@ from codemode.protocol.types import (
 )
 
 __all__ = [
-    "DELEGATE_TASK_CANCELLED",
-    "EXEC_RUNTIME_ENDED_UNEXPECTEDLY",
-    "NESTED_TOOLS_UNAVAILABLE",
-    "PROVIDER_DOES_NOT_SUPPORT_LIMITS",
-    "SESSION_SHUTTING_DOWN",
     "CancellationToken",
     "CodeModeSession",
     "CodeModeSessionDelegate",
     "CodeModeSessionProvider",
     "NoopCodeModeSessionDelegate",
     "StartedCell",
-    "delegate_result_not_json",
-    "delegate_task_failed",
+    "serve_callback",
 ]
 
-EXEC_RUNTIME_ENDED_UNEXPECTEDLY: Final = "exec runtime ended unexpectedly"
-SESSION_SHUTTING_DOWN: Final = "code mode session is shutting down"
-NESTED_TOOLS_UNAVAILABLE: Final = "code mode nested tools are unavailable"
-PROVIDER_DOES_NOT_SUPPORT_LIMITS: Final = (
-    "code-mode session provider does not support resource limits"
-)
-DELEGATE_TASK_CANCELLED: Final = "code-mode delegate task was cancelled"
-
-
-def delegate_task_failed(detail: str) -> str:
-    """D4: the delegate raised something other than :class:`CodeModeError`."""
-    return f"code-mode delegate task failed: {detail}"
-
-
-def delegate_result_not_json(detail: str) -> str:
-    """D5: the delegate returned a value that cannot be written as JSON."""
-    return f"code-mode delegate returned a value that is not JSON: {detail}"
+# Python 3.12+ can run a task's first step at once: a delegate that answers without suspending is
+# settled in the iteration that asked it (no scheduling, no wake-up), with a real current task.
+_EAGER_TASK_FACTORY: Final = getattr(asyncio, "eager_task_factory", None)
 
 
 class CancellationToken:
@@ -257,3 +250,39 @@ class CodeModeSessionProvider(ABC):
         if limits.is_default:
             return await self.create_session(delegate)
         raise CodeModeError(PROVIDER_DOES_NOT_SUPPORT_LIMITS)
+
+
+def serve_callback(
+    call: Coroutine[Any, Any, Any],
+    settle: Callable[[CallbackResult], object],
+    *,
+    notification: bool = False,
+) -> asyncio.Task[None] | None:
+    """Run one delegate callback (``invoke_tool`` or ``notify``) and ``settle`` its result once.
+
+    Every carrier serves callbacks through here, so a delegate fails the same way everywhere:
+    its own text for a :class:`CodeModeError`, the D4 text for any other exception, the cancelled
+    text if its task is cancelled. Returns the running task, or ``None`` when the callback
+    already finished (where the loop starts tasks eagerly).
+    """
+
+    async def serve() -> None:
+        try:
+            value = await call
+        except asyncio.CancelledError:
+            settle(CallbackFailed(DELEGATE_TASK_CANCELLED))
+            raise
+        except BaseException as error:
+            settle(callback_failure(error))
+            if not isinstance(error, Exception):
+                raise
+            return
+        settle(NotificationAccepted() if notification else ToolReturned(value))
+
+    loop = asyncio.get_running_loop()
+    task: asyncio.Task[None]
+    if _EAGER_TASK_FACTORY is not None:
+        task = _EAGER_TASK_FACTORY(loop, serve())
+    else:
+        task = loop.create_task(serve())
+    return None if task.done() else task

@@ -1,0 +1,96 @@
+"""Moves bytes between one transport and one sans-I/O V1 machine: the whole of the glue's I/O.
+
+A :class:`Pump` feeds what its transport reads into the machine (as a byte stream or as whole
+WebSocket frames), writes what the machine queued on the lane it names, reports read and write
+failures to the machine, and hands the machine's events to its owner. It decides nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+from codemode.protocol.v1.endpoint import Endpoint
+from codemode.transports.base import (
+    FrameTransport,
+    TextMessageReceived,
+    TransportError,
+    describe,
+)
+
+__all__ = ["Pump"]
+
+E = TypeVar("E")
+
+
+class Pump(Generic[E]):
+    """Drive ``protocol`` over ``transport``; every event goes to ``apply``."""
+
+    def __init__(
+        self,
+        transport: FrameTransport,
+        protocol: Endpoint[Any, Any, E],
+        apply: Callable[[E], object],
+    ) -> None:
+        self.transport = transport
+        self.protocol = protocol
+        self._apply = apply
+        self._flushing = False
+
+    async def receive(self) -> bool:
+        """Read once and feed the machine; False at the end of the stream, which the caller
+        reports (``receive_eof()``, or why it ended) before the next :meth:`flush`."""
+        protocol, transport = self.protocol, self.transport
+        try:
+            item = await transport.receive()
+        except TextMessageReceived:
+            protocol.text_received()
+        except (TransportError, OSError) as error:
+            protocol.read_failed(describe(error))
+        else:
+            if item is None:
+                return False
+            data, lane = item
+            if transport.whole_frames:
+                protocol.receive_frame(data, lane)
+            else:
+                protocol.receive_data(data, lane)
+        self.flush()
+        return True
+
+    async def drain(self) -> None:
+        """Wait until the transport took what was written (a failure ends the connection)."""
+        if self.protocol.ended:
+            return
+        try:
+            await self.transport.drain()
+        except (TransportError, OSError) as error:
+            self.protocol.write_failed(describe(error))
+            self.flush()
+
+    def flush(self) -> None:
+        """Write what the machine queued and apply its events, until it has nothing more.
+
+        Re-entrant calls (an event whose handling makes the machine produce more) return at
+        once: the running flush picks up what they produced.
+        """
+        if self._flushing:
+            return
+        self._flushing = True
+        protocol, transport = self.protocol, self.transport
+        try:
+            while True:
+                outgoing = protocol.data_to_send()
+                for frame, lane in outgoing:
+                    try:
+                        transport.send(frame, lane)
+                    except (TransportError, OSError) as error:
+                        protocol.write_failed(describe(error))
+                        break
+                events = protocol.events_received()
+                if not outgoing and not events:
+                    return
+                for event in events:
+                    self._apply(event)
+        finally:
+            self._flushing = False
