@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from codemode.protocol.v1 import encode_frame
+from tests.wire import frame, hello, payloads
 
 
 def codemode(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
@@ -64,8 +64,8 @@ def test_wire_validate_unknown_type_is_a_usage_error() -> None:
 
 def test_wire_frames_prints_messages_and_the_first_framing_error(tmp_path: Path) -> None:
     capture = tmp_path / "capture.bin"
-    first = bytes(encode_frame({"type": "operation/cancel", "id": 1}))
-    second = bytes(encode_frame({"type": "delegate/cancel", "id": 2}))
+    first = frame({"type": "operation/cancel", "id": 1})
+    second = frame({"type": "delegate/cancel", "id": 2})
     capture.write_bytes(first + b"\x03\x00\x00\x00abc" + second + b"\x01\x00")
     result = codemode("wire", "frames", str(capture))
     assert result.returncode == 1
@@ -82,7 +82,7 @@ def test_wire_frames_prints_messages_and_the_first_framing_error(tmp_path: Path)
 
 
 def test_wire_frames_reads_stdin() -> None:
-    data = bytes(encode_frame({"type": "cell/closed", "sessionId": "s", "cellId": "1"}))
+    data = frame({"type": "cell/closed", "sessionId": "s", "cellId": "1"})
     result = codemode("wire", "frames", "-", stdin=data)
     assert result.returncode == 0
     assert result.stdout == b'{"type":"cell/closed","sessionId":"s","cellId":"1"}\n'
@@ -208,27 +208,27 @@ def test_doctor_lists_the_confinement_layers() -> None:
 
 
 def test_host_listen_stdio_is_the_same_as_stdio() -> None:
-    hello = {
-        "type": "connection/hello",
-        "supportedVersions": [1],
-        "requiredCapabilities": [],
-        "optionalCapabilities": [],
-    }
     for flags in (("--listen", "stdio"), ("--stdio",), ("--stdio", "--listen", "stdio")):
-        done = codemode("host", *flags, stdin=bytes(encode_frame(hello)))
+        done = codemode("host", *flags, stdin=frame(hello(())))
         assert done.returncode == 0, (flags, done.stderr)
-        size = int.from_bytes(done.stdout[:4], "little")
-        assert len(done.stdout) == 4 + size, flags
-        ready = json.loads(done.stdout[4:])
+        (payload,) = payloads(done.stdout)
+        ready = json.loads(payload)
         assert (ready["type"], ready["selectedVersion"]) == ("connection/ready", 1), flags
 
 
 def test_host_other_listen_addresses_are_usage_errors() -> None:
-    for address in ("ws://127.0.0.1:0", "stdio://", "grpc://127.0.0.1:0"):
+    for address in ("stdio://", "grpc://127.0.0.1:0", "ws://127.0.0.1", "ws://127.0.0.1:0?x=1"):
         done = codemode("host", "--listen", address)
         assert done.returncode == 2, address
         assert done.stdout == b""
-        assert f"--listen {address}: only `stdio` is supported".encode() in done.stderr
+        assert f"codemode host: --listen {address}: ".encode() in done.stderr
     missing = codemode("host")
     assert missing.returncode == 2
-    assert b"--stdio (or --listen stdio) is required" in missing.stderr
+    assert b"--stdio or --listen ADDRESS is required" in missing.stderr
+
+
+def test_host_refuses_a_public_address_without_a_token() -> None:
+    done = codemode("host", "--listen", "ws://0.0.0.0:0")
+    assert done.returncode == 2
+    assert done.stdout == b""
+    assert b"refusing to listen on 0.0.0.0 without a token" in done.stderr

@@ -251,6 +251,10 @@ class CodeModeSessionProvider(ABC):
             return await self.create_session(delegate)
         raise CodeModeError(PROVIDER_DOES_NOT_SUPPORT_LIMITS)
 
+    async def aclose(self) -> None:
+        """Release what the provider holds (engines, host processes, connections)."""
+        return
+
 
 def serve_callback(
     call: Coroutine[Any, Any, Any],

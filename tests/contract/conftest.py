@@ -1,7 +1,8 @@
 """The one contract suite: every session implementation must pass the same behavioural tests.
 
-A ``Harness`` opens sessions of one implementation (embedded, stdio; WebSocket and gRPC carriers
-join the ``IMPLEMENTATIONS`` list as they land) and cleans them up afterwards. ``stdio-latest`` is
+A ``Harness`` opens sessions of one implementation (embedded, stdio, WebSocket single ``ws`` and
+control + bulk ``ws-dual``; gRPC joins the ``IMPLEMENTATIONS`` list when it lands) and cleans them
+up afterwards. ``stdio-latest`` is
 our client and our host both speaking the ``latest`` wire revision (decision 0007). The
 ``upstream`` carrier runs the same tests with our V1 client against the upstream host binary
 (the oracle of ``runtime.md``, Conventions) of the pinned release, ``upstream-latest`` against the
@@ -13,20 +14,24 @@ latest release checked, in the ``latest`` revision: where upstream knowingly dif
 from __future__ import annotations
 
 import contextlib
+import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Final, Protocol
 
 import pytest
 
 from codemode.errors import ConnectionClosed
 from codemode.protocol import (
-    CodeModeSession,
     CodeModeSessionCellExecutionLimits,
-    CodeModeSessionDelegate,
 )
 from codemode.protocol.constants import MAX_PENDING_DELEGATE_CALLS
 from codemode.protocol.v1 import WireRevision
+from codemode.session import (
+    CodeModeSession,
+    CodeModeSessionDelegate,
+    CodeModeSessionProvider,
+)
 from tests.contract.delegate import RecordingDelegate
 from tests.upstream import DEFAULT_VERSION, LATEST_VERSION
 
@@ -49,18 +54,20 @@ class Harness(Protocol):
     async def aclose(self) -> None: ...
 
 
-class EmbeddedHarness:
-    """Sessions of the in-process runtime."""
+class ProviderHarness:
+    """Opens sessions on one provider per ``store_load`` setting and shuts them all down."""
 
-    name = "embedded"
-    # The embedded runtime bounds unresolved callbacks per session the same way.
+    name = "base"
+    #: Unresolved callbacks allowed at once: per session embedded, per connection remote (§8.6).
     max_pending_callbacks: int | None = MAX_PENDING_DELEGATE_CALLS
 
     def __init__(self) -> None:
-        from codemode.runtime import LocalSessionProvider
-
-        self._providers: dict[bool, LocalSessionProvider] = {}
+        self._providers: dict[bool, CodeModeSessionProvider] = {}
         self._sessions: list[CodeModeSession] = []
+
+    def provider(self, store_load: bool) -> CodeModeSessionProvider:
+        """A fresh provider of this implementation (may skip the test where it cannot run)."""
+        raise NotImplementedError
 
     async def session(
         self,
@@ -69,11 +76,9 @@ class EmbeddedHarness:
         limits: CodeModeSessionCellExecutionLimits | None = None,
         store_load: bool = True,
     ) -> CodeModeSession:
-        from codemode.runtime import LocalSessionProvider
-
         provider = self._providers.get(store_load)
         if provider is None:
-            provider = self._providers[store_load] = LocalSessionProvider(store_load=store_load)
+            provider = self._providers[store_load] = self.provider(store_load)
         session = await provider.create_session_with_limits(
             delegate or RecordingDelegate(), limits or CodeModeSessionCellExecutionLimits()
         )
@@ -81,46 +86,38 @@ class EmbeddedHarness:
         return session
 
     async def aclose(self) -> None:
+        # A remote host that died (a test's subject, or an upstream defect in DIVERGENCES) fails
+        # the shutdown of its sessions with the connection's reason: the test already reported it.
         for session in self._sessions:
-            await session.shutdown()
+            with contextlib.suppress(ConnectionClosed):
+                await session.shutdown()
         for provider in self._providers.values():
             await provider.aclose()
 
 
-class StdioHarness:
+class EmbeddedHarness(ProviderHarness):
+    """Sessions of the in-process runtime."""
+
+    name = "embedded"
+
+    def provider(self, store_load: bool) -> CodeModeSessionProvider:
+        from codemode.runtime import LocalSessionProvider
+
+        return LocalSessionProvider(store_load=store_load)
+
+
+class StdioHarness(ProviderHarness):
     """Sessions on a real ``codemode host --stdio`` child, through the V1 client."""
 
     name = "stdio"
-    # The host's limit of unresolved callbacks per connection (protocol-v1.md §8.6).
-    max_pending_callbacks: int | None = MAX_PENDING_DELEGATE_CALLS
     wire_revision = WireRevision.PINNED
 
-    def __init__(self) -> None:
+    def provider(self, store_load: bool) -> CodeModeSessionProvider:
         from codemode.client import ProcessOwnedCodeModeSessionProvider
 
-        self._providers: dict[bool, ProcessOwnedCodeModeSessionProvider] = {}
-        self._sessions: list[CodeModeSession] = []
-
-    async def session(
-        self,
-        delegate: CodeModeSessionDelegate | None = None,
-        *,
-        limits: CodeModeSessionCellExecutionLimits | None = None,
-        store_load: bool = True,
-    ) -> CodeModeSession:
-        from codemode.client import ProcessOwnedCodeModeSessionProvider
-
-        provider = self._providers.get(store_load)
-        if provider is None:
-            provider = ProcessOwnedCodeModeSessionProvider(
-                self.command(store_load), wire_revision=self.wire_revision
-            )
-            self._providers[store_load] = provider
-        session = await provider.create_session_with_limits(
-            delegate or RecordingDelegate(), limits or CodeModeSessionCellExecutionLimits()
+        return ProcessOwnedCodeModeSessionProvider(
+            self.command(store_load), wire_revision=self.wire_revision
         )
-        self._sessions.append(session)
-        return session
 
     def command(self, store_load: bool) -> list[str]:
         """The host to spawn (skips the test where it cannot run)."""
@@ -129,12 +126,6 @@ class StdioHarness:
         if not store_load:
             command.append("--no-store-load")
         return command
-
-    async def aclose(self) -> None:
-        for session in self._sessions:
-            await session.shutdown()
-        for provider in self._providers.values():
-            await provider.aclose()
 
 
 class StdioLatestHarness(StdioHarness):
@@ -149,8 +140,6 @@ class UpstreamHarness(StdioHarness):
     our V1 client: the oracle of ``runtime.md`` (Conventions, "Oracle")."""
 
     name = "upstream"
-    # protocol-v1.md §8.6 (upstream's connection dies well before it: see DIVERGENCES).
-    max_pending_callbacks: int | None = MAX_PENDING_DELEGATE_CALLS
     version = DEFAULT_VERSION
 
     def command(self, store_load: bool) -> list[str]:
@@ -163,15 +152,6 @@ class UpstreamHarness(StdioHarness):
             pytest.skip(unavailable_reason(self.version))
         return [str(binary), "--listen", "stdio"]
 
-    async def aclose(self) -> None:
-        # A host that died or wedged (the DIVERGENCES above) fails the shutdown of its sessions
-        # with the connection's reason: the test already reported it.
-        for session in self._sessions:
-            with contextlib.suppress(ConnectionClosed):
-                await session.shutdown()
-        for provider in self._providers.values():
-            await provider.aclose()
-
 
 class UpstreamLatestHarness(UpstreamHarness):
     """The latest upstream release checked, in the ``latest`` wire revision."""
@@ -181,10 +161,79 @@ class UpstreamLatestHarness(UpstreamHarness):
     wire_revision = WireRevision.LATEST
 
 
+class WebSocketHarness(ProviderHarness):
+    """Sessions on a ``codemode host --listen ws://127.0.0.1:0`` child over one WebSocket.
+
+    One host process serves the whole test run (each test opens its own connection, as a
+    connection's sessions and limits are its own); see :func:`websocket_host`.
+    """
+
+    name = "ws"
+    dual = False
+
+    def provider(self, store_load: bool) -> CodeModeSessionProvider:
+        from codemode.client.websocket import WebSocketCodeModeSessionProvider
+
+        return WebSocketCodeModeSessionProvider(websocket_host(store_load), dual=self.dual)
+
+    async def session(
+        self,
+        delegate: CodeModeSessionDelegate | None = None,
+        *,
+        limits: CodeModeSessionCellExecutionLimits | None = None,
+        store_load: bool = True,
+    ) -> CodeModeSession:
+        session = await super().session(delegate, limits=limits, store_load=store_load)
+        if self.dual:  # the pair really was granted and opened
+            connection = getattr(session, "connection", None)
+            assert connection is not None and connection.negotiated.dual_websocket
+        return session
+
+
+class DualWebSocketHarness(WebSocketHarness):
+    """The same host over a control + bulk socket pair (``dual-websocket-v1``)."""
+
+    name = "ws-dual"
+    dual = True
+
+
+_WEBSOCKET_HOSTS: dict[bool, tuple[subprocess.Popen[bytes], str]] = {}
+
+
+def websocket_host(store_load: bool) -> str:
+    """The control URL of the shared WebSocket host (started on first use)."""
+    running = _WEBSOCKET_HOSTS.get(store_load)
+    if running is not None and running[0].poll() is None:
+        return running[1]
+    command = [sys.executable, "-m", "codemode", "host", "--listen", "ws://127.0.0.1:0"]
+    if not store_load:
+        command.append("--no-store-load")
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert process.stdout is not None
+    url = process.stdout.readline().decode().strip()
+    assert url.startswith("ws://127.0.0.1:"), url
+    _WEBSOCKET_HOSTS[store_load] = (process, url)
+    return url
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_websocket_hosts() -> Iterator[None]:
+    yield
+    for process, _ in _WEBSOCKET_HOSTS.values():
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 IMPLEMENTATIONS: dict[str, type[Harness]] = {
     "embedded": EmbeddedHarness,
     "stdio": StdioHarness,
     "stdio-latest": StdioLatestHarness,
+    "ws": WebSocketHarness,
+    "ws-dual": DualWebSocketHarness,
     "upstream": UpstreamHarness,
     "upstream-latest": UpstreamLatestHarness,
 }

@@ -1,0 +1,143 @@
+"""Remote sessions on a WebSocket host (``protocol-v1.md`` §7.2, §7.3).
+
+:func:`connect_websocket` opens the control socket, handshakes (asking for ``dual-websocket-v1``
+when ``dual``; a host that does not grant it is used over the one socket), opens the bulk socket
+at the bulk URL when granted, and returns the running :class:`~codemode.client.v1.V1ClientConnection`.
+:class:`WebSocketCodeModeSessionProvider` shares one such connection among its sessions and
+reconnects after it died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import InvalidHandshake, InvalidStatus
+
+from codemode.client.provider import SharedConnectionProvider
+from codemode.client.v1 import RemoteSession, V1ClientConnection, connect_v1
+from codemode.errors import CodeModeError
+from codemode.protocol.constants import (
+    HANDSHAKE_TIMEOUT,
+    MAX_WEBSOCKET_MESSAGE_BYTES,
+    SHUTDOWN_TIMEOUT,
+)
+from codemode.protocol.texts import host_unreachable
+from codemode.protocol.v1.revision import WireRevision
+from codemode.protocol.v1.urls import bulk_url
+from codemode.transports.base import describe
+from codemode.transports.websocket import CLOSE_TIMEOUT, WebSocketTransport
+
+__all__ = ["WebSocketCodeModeSessionProvider", "WebSocketLink", "connect_websocket"]
+
+
+async def _open(url: str, token: str | None, settings: dict[str, Any]) -> ClientConnection:
+    headers = None if token is None else {"Authorization": f"Bearer {token}"}
+    try:
+        return await connect(
+            url,
+            additional_headers=headers,
+            compression=None,
+            max_size=MAX_WEBSOCKET_MESSAGE_BYTES,
+            max_queue=4,
+            proxy=None,
+            close_timeout=CLOSE_TIMEOUT,
+            **settings,
+        )
+    except InvalidStatus as error:
+        raise CodeModeError(host_unreachable(url, f"HTTP {error.response.status_code}")) from None
+    except (OSError, InvalidHandshake, TimeoutError) as error:
+        raise CodeModeError(host_unreachable(url, describe(error))) from None
+
+
+async def connect_websocket(
+    url: str,
+    *,
+    dual: bool = False,
+    token: str | None = None,
+    handshake_timeout: float = HANDSHAKE_TIMEOUT,
+    wire_revision: WireRevision | str = WireRevision.PINNED,
+    ping_interval: float | None = 20.0,
+    ping_timeout: float | None = 20.0,
+) -> V1ClientConnection:
+    """Connect to the host at ``url`` (``ws://`` or ``wss://``) and handshake.
+
+    ``token`` is sent as ``Authorization: Bearer`` on both sockets. Raises
+    :class:`CodeModeError`: the host cannot be reached, or C2-C6.
+    """
+    settings: dict[str, Any] = {
+        "open_timeout": handshake_timeout,
+        "ping_interval": ping_interval,
+        "ping_timeout": ping_timeout,
+    }
+    transport = WebSocketTransport(await _open(url, token, settings))
+
+    async def open_bulk(bulk_token: str) -> None:
+        transport.attach_bulk(await _open(bulk_url(url, bulk_token), token, settings))
+
+    return await connect_v1(
+        transport,
+        dual=dual,
+        handshake_timeout=handshake_timeout,
+        open_bulk=open_bulk if dual else None,
+        wire_revision=wire_revision,
+    )
+
+
+class WebSocketLink:
+    """One WebSocket connection to a host, as a provider holds it."""
+
+    def __init__(self, connection: V1ClientConnection) -> None:
+        self.connection = connection
+
+    @property
+    def finished(self) -> bool:
+        return not self.connection.is_alive()
+
+    def is_alive(self) -> bool:
+        return self.connection.is_alive()
+
+    async def aclose(self, sessions: Sequence[RemoteSession] = ()) -> None:
+        if self.connection.is_alive() and sessions:
+            async with asyncio.timeout(SHUTDOWN_TIMEOUT):
+                await asyncio.gather(
+                    *(session.shutdown() for session in sessions), return_exceptions=True
+                )
+        await self.connection.aclose()
+
+
+class WebSocketCodeModeSessionProvider(SharedConnectionProvider[WebSocketLink]):
+    """Creates :class:`RemoteSession` objects on one shared WebSocket connection to ``url``.
+
+    ``dual`` asks for the control + bulk pair (falling back to one socket when the host does not
+    grant it); ``token`` is the host's bearer token. The connection is made on first use and
+    replaced after it died. Close with :meth:`aclose`.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        dual: bool = False,
+        token: str | None = None,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        wire_revision: WireRevision | str = WireRevision.PINNED,
+    ) -> None:
+        super().__init__()
+        self.url = url
+        self.dual = dual
+        self.wire_revision = WireRevision(wire_revision)
+        self._token = token
+        self._handshake_timeout = handshake_timeout
+
+    async def _connect(self) -> WebSocketLink:
+        connection = await connect_websocket(
+            self.url,
+            dual=self.dual,
+            token=self._token,
+            handshake_timeout=self._handshake_timeout,
+            wire_revision=self.wire_revision,
+        )
+        return WebSocketLink(connection)

@@ -1,0 +1,284 @@
+"""Serve Protocol V1 over WebSocket (``protocol-v1.md`` §7.1-§7.3): one listener, many
+connections, each a single socket or a control + bulk pair.
+
+:class:`WebSocketHost` answers the HTTP side itself — ``GET /readyz``, 403 for browsers (any
+``Origin``), 401 without the bearer token when one is configured, 404 for unknown paths and for
+unknown, expired or reused bulk tokens, 503 past ``max_connections`` or while shutting down —
+and hands every accepted control socket to a :class:`~codemode.host.v1.V1HostConnection`. A bulk
+socket is paired to its control connection by the single-use token of ``connection/ready``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import itertools
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Final
+from urllib.parse import urlsplit
+
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.http11 import Request, Response
+
+from codemode.host.v1 import HostOptions, V1HostConnection
+from codemode.protocol.constants import DUAL_WEBSOCKET_CAPABILITY, MAX_WEBSOCKET_MESSAGE_BYTES
+from codemode.session import CodeModeSessionProvider
+from codemode.transports.base import TransportError
+from codemode.transports.websocket import CLOSE_TIMEOUT, WebSocketTransport
+
+__all__ = [
+    "DEFAULT_MAX_CONNECTIONS",
+    "DEFAULT_PING_INTERVAL",
+    "DEFAULT_PING_TIMEOUT",
+    "WebSocketAddress",
+    "WebSocketHost",
+    "is_loopback",
+]
+
+logger = logging.getLogger("codemode.host")
+
+DEFAULT_MAX_CONNECTIONS: Final = 64
+#: Seconds between keepalive pings, and how long a pong may take before the connection (and
+#: its sessions) end: a half-open TCP connection is noticed within their sum.
+DEFAULT_PING_INTERVAL: Final = 20.0
+DEFAULT_PING_TIMEOUT: Final = 20.0
+
+
+@dataclass(frozen=True, slots=True)
+class WebSocketAddress:
+    """Where to listen: ``ws://ADDR:PORT[/PATH]`` (``PORT`` 0 picks a free port)."""
+
+    host: str
+    port: int
+    path: str = "/"
+
+    @classmethod
+    def parse(cls, url: str) -> WebSocketAddress:
+        """Parse a listen URL; raise :class:`ValueError` saying what is wrong with it."""
+        parts = urlsplit(url)
+        if parts.scheme != "ws":
+            raise ValueError(f"{url}: expected ws://ADDR:PORT[/PATH]")
+        if parts.query or parts.fragment or parts.username or parts.password:
+            raise ValueError(f"{url}: a listen URL has no query, fragment or user")
+        try:
+            port = parts.port
+        except ValueError:
+            raise ValueError(f"{url}: the port must be 0-65535") from None
+        if port is None:
+            raise ValueError(f"{url}: a port is required (0 picks a free one)")
+        host = parts.hostname or "127.0.0.1"
+        return cls(host, port, parts.path or "/")
+
+    def url(self, port: int | None = None) -> str:
+        """The control URL clients connect to (no trailing slash for the root path)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        path = "" if self.path == "/" else self.path
+        return f"ws://{host}:{self.port if port is None else port}{path}"
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(slots=True)
+class _Pairing:
+    transport: WebSocketTransport
+    arrived: asyncio.Future[None]
+
+
+class WebSocketHost:
+    """Serves a session provider over V1 on a WebSocket listener.
+
+    ``token``: when set, both sockets must carry ``Authorization: Bearer <token>``. ``dual``:
+    grant ``dual-websocket-v1`` to clients that ask (a second socket for tool calls and their
+    results). Use :meth:`start`, then :meth:`shutdown` (graceful) or :meth:`aclose`.
+    """
+
+    def __init__(
+        self,
+        provider: CodeModeSessionProvider,
+        address: WebSocketAddress,
+        *,
+        options: HostOptions | None = None,
+        token: str | None = None,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        ping_interval: float | None = DEFAULT_PING_INTERVAL,
+        ping_timeout: float | None = DEFAULT_PING_TIMEOUT,
+        dual: bool = True,
+    ) -> None:
+        options = options or HostOptions()
+        capabilities = options.capabilities - {DUAL_WEBSOCKET_CAPABILITY}
+        if dual:
+            capabilities |= {DUAL_WEBSOCKET_CAPABILITY}
+        self._options = replace(options, capabilities=capabilities)
+        self._provider = provider
+        self._address = address
+        self._token = None if token is None else f"Bearer {token}".encode()
+        self._max_connections = max_connections
+        self._ping_interval = ping_interval
+        self._ping_timeout = ping_timeout
+        self._bulk_prefix = address.path.rstrip("/") + "/bulk/"
+        self._server: Server | None = None
+        self._port = address.port
+        self._served: dict[V1HostConnection, WebSocketTransport] = {}
+        self._pairings: dict[str, _Pairing] = {}
+        self._bulk: dict[ServerConnection, _Pairing] = {}
+        self._ids = itertools.count(1)
+        self._stopping = False
+
+    @property
+    def url(self) -> str:
+        """The control URL (with the bound port once started)."""
+        return self._address.url(self._port)
+
+    async def start(self) -> str:
+        """Bind and start accepting; returns the control URL."""
+        self._server = await serve(
+            self._handle,
+            self._address.host,
+            self._address.port,
+            process_request=self._process_request,
+            compression=None,
+            max_size=MAX_WEBSOCKET_MESSAGE_BYTES,
+            max_queue=4,
+            ping_interval=self._ping_interval,
+            ping_timeout=self._ping_timeout,
+            close_timeout=CLOSE_TIMEOUT,
+            server_header=None,
+            logger=logging.getLogger("codemode.host.websocket"),
+        )
+        sockets = list(self._server.sockets)
+        if sockets:
+            self._port = sockets[0].getsockname()[1]
+        return self.url
+
+    # -- the HTTP side ----------------------------------------------------------------------------
+
+    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        path = urlsplit(request.path).path
+        upgrade = "websocket" in request.headers.get("Upgrade", "").lower()
+        if not upgrade:
+            if path == "/readyz":
+                return connection.respond(200, "ok\n")
+            return connection.respond(404, "not found\n")
+        if "Origin" in request.headers:
+            return connection.respond(403, "browsers may not connect to a code-mode host\n")
+        if self._token is not None:
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, self._token):
+                return connection.respond(401, "a bearer token is required\n")
+        if path == self._address.path:
+            if self._stopping:
+                return connection.respond(503, "the host is shutting down\n")
+            if len(self._served) >= self._max_connections:
+                return connection.respond(503, "too many connections\n")
+            return None
+        if path.startswith(self._bulk_prefix):
+            pairing = self._pairings.pop(path[len(self._bulk_prefix) :], None)
+            if pairing is None or pairing.arrived.done():
+                return connection.respond(404, "unknown bulk connection token\n")
+            self._bulk[connection] = pairing
+            return None
+        return connection.respond(404, "not found\n")
+
+    # -- connections ----------------------------------------------------------------------------
+
+    async def _handle(self, connection: ServerConnection) -> None:
+        pairing = self._bulk.pop(connection, None)
+        if pairing is not None:
+            await self._serve_bulk(connection, pairing)
+            return
+        await self._serve_control(connection)
+
+    async def _serve_bulk(self, connection: ServerConnection, pairing: _Pairing) -> None:
+        try:
+            pairing.transport.attach_bulk(connection)
+        except TransportError:
+            return  # its control connection already ended
+        pairing.arrived.set_result(None)
+        await connection.wait_closed()
+
+    async def _serve_control(self, connection: ServerConnection) -> None:
+        number = next(self._ids)
+        transport = WebSocketTransport(connection)
+
+        async def pair_bulk(token: str) -> None:
+            arrived = asyncio.get_running_loop().create_future()
+            self._pairings[token] = _Pairing(transport, arrived)
+            try:
+                await arrived
+            finally:
+                self._pairings.pop(token, None)  # single use, and forgotten when expired
+
+        served = V1HostConnection(
+            transport, self._provider, self._options.protocol(), pair_bulk=pair_bulk
+        )
+        self._served[served] = transport
+        peer = _peer(connection)
+        logger.info("event=connection-open connection=%d peer=%s", number, peer)
+        started = time.monotonic()
+        outcome = "error"
+        try:
+            outcome = "clean" if await served.serve() else "error"
+        finally:
+            del self._served[served]
+            await transport.close()
+            failure = served.protocol.failure
+            logger.info(
+                "event=connection-close connection=%d peer=%s seconds=%.3f outcome=%s%s",
+                number,
+                peer,
+                time.monotonic() - started,
+                outcome,
+                "" if failure is None else f" reason={failure!r}",
+            )
+
+    # -- the end ------------------------------------------------------------------------------------
+
+    def active_cells(self) -> int:
+        """Cells admitted on every connection and not yet closed."""
+        return sum(served.protocol.active_cells for served in self._served)
+
+    async def shutdown(self, grace: float) -> None:
+        """Stop accepting, refuse new requests (H4), give running cells up to ``grace`` seconds
+        to end, then close every connection (which terminates what still runs)."""
+        self._stopping = True
+        server = self._server
+        if server is not None:
+            server.close(close_connections=False)
+        for served in list(self._served):
+            served.stop_admitting()
+        deadline = time.monotonic() + grace
+        while self.active_cells() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the listener and every connection; their sessions are shut down."""
+        self._stopping = True
+        server = self._server
+        if server is not None:
+            server.close(close_connections=False)
+        transports = list(self._served.values())
+        await asyncio.gather(*(t.close() for t in transports), return_exceptions=True)
+        if server is not None:
+            server.close()
+            with contextlib.suppress(Exception):
+                await server.wait_closed()
+
+
+def _peer(connection: ServerConnection) -> str:
+    address = connection.remote_address
+    if isinstance(address, tuple) and len(address) >= 2:
+        return f"{address[0]}:{address[1]}"
+    return str(address)
