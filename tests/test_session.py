@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import gc
+from typing import Any
 
 import pytest
 
 from codemode.errors import CodeModeError
 from codemode.protocol import (
+    JSON,
     CellId,
     CodeModeNestedToolCall,
     CodeModeSessionCellExecutionLimits,
     CodeModeToolKind,
     Result,
     ToolName,
+)
+from codemode.protocol.delegation import (
+    CallbackFailed,
+    CallbackResult,
+    NotificationAccepted,
+    ToolReturned,
 )
 from codemode.session import (
     CancellationToken,
@@ -23,6 +32,7 @@ from codemode.session import (
     CodeModeSessionProvider,
     NoopCodeModeSessionDelegate,
     StartedCell,
+    serve_callback,
 )
 
 CELL = CellId("1")
@@ -151,3 +161,96 @@ async def test_provider_without_limit_support() -> None:
             delegate, CodeModeSessionCellExecutionLimits(max_heap_size_bytes=1)
         )
     assert str(caught.value) == "code-mode session provider does not support resource limits"
+
+
+# -- serve_callback: how every carrier runs a delegate callback ---------------------------------
+
+ACTIVE: contextvars.ContextVar[str] = contextvars.ContextVar("active", default="outer")
+
+
+async def test_a_callback_that_does_not_suspend_is_settled_at_once() -> None:
+    settled: list[CallbackResult] = []
+
+    async def tool() -> JSON:
+        ACTIVE.set("inner")  # the callback's own context: nothing leaks to the caller
+        return {"answer": 42}
+
+    assert serve_callback(tool(), settled.append) is None
+    assert settled == [ToolReturned({"answer": 42})]
+    assert ACTIVE.get() == "outer"
+
+
+async def test_the_first_step_runs_as_the_task_that_continues_it() -> None:
+    settled: list[CallbackResult] = []
+    seen: list[asyncio.Task[Any] | None] = []
+
+    async def tool() -> JSON:
+        seen.append(asyncio.current_task())
+        await asyncio.sleep(0)
+        seen.append(asyncio.current_task())
+        return "done"
+
+    caller = asyncio.current_task()
+    task = serve_callback(tool(), settled.append)
+    assert task is not None and not settled
+    assert seen == [task]  # ran at once, as that task
+    assert asyncio.current_task() is caller  # and the caller is current again
+    await task
+    assert seen == [task, task]
+    assert settled == [ToolReturned("done")]
+
+
+async def test_a_timeout_entered_in_the_first_step_belongs_to_the_callback() -> None:
+    settled: list[CallbackResult] = []
+
+    async def tool() -> JSON:
+        try:
+            async with asyncio.timeout(0.02):
+                await asyncio.sleep(5)
+        except TimeoutError:
+            return "timed out"
+        return "slept"
+
+    task = serve_callback(tool(), settled.append)
+    assert task is not None
+    await asyncio.wait_for(task, 2)
+    assert settled == [ToolReturned("timed out")]
+
+
+@pytest.mark.parametrize(
+    ("error", "text"),
+    [
+        (CodeModeError("tool says no"), "tool says no"),
+        (ValueError("bad"), "code-mode delegate task failed: bad"),
+        (ValueError(), "code-mode delegate task failed: ValueError"),
+    ],
+)
+async def test_a_failing_callback_settles_with_its_text(error: Exception, text: str) -> None:
+    settled: list[CallbackResult] = []
+
+    async def tool() -> JSON:
+        await asyncio.sleep(0)
+        raise error
+
+    task = serve_callback(tool(), settled.append)
+    assert task is not None
+    await task
+    assert settled == [CallbackFailed(text)]
+
+
+async def test_a_cancelled_callback_task_settles_as_cancelled() -> None:
+    settled: list[CallbackResult] = []
+
+    async def notify() -> None:
+        await asyncio.sleep(5)
+
+    task = serve_callback(notify(), settled.append, notification=True)
+    assert task is not None
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert settled == [CallbackFailed("code-mode delegate task was cancelled")]
+    done: list[CallbackResult] = []
+    assert serve_callback(asyncio.sleep(0, None), done.append, notification=True) is not None
+    await asyncio.sleep(0.01)
+    assert done == [NotificationAccepted()]

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Final
+from asyncio.tasks import _enter_task, _leave_task
+from collections.abc import Awaitable, Callable, Coroutine, Generator
+from typing import Any, Final, cast
 
 from codemode.errors import CodeModeError
 from codemode.protocol.delegation import (
@@ -47,8 +49,8 @@ __all__ = [
     "serve_callback",
 ]
 
-# Python 3.12+ can run a task's first step at once: a delegate that answers without suspending is
-# settled in the iteration that asked it (no scheduling, no wake-up), with a real current task.
+# A delegate that answers without suspending is settled in the iteration that asked it (no
+# scheduling, no wake-up), with a real current task: 3.12+ eager tasks, or _start_eagerly.
 _EAGER_TASK_FACTORY: Final = getattr(asyncio, "eager_task_factory", None)
 
 
@@ -269,24 +271,110 @@ def serve_callback(
     text if its task is cancelled. Returns the running task, or ``None`` when the callback
     already finished (where the loop starts tasks eagerly).
     """
-
-    async def serve() -> None:
-        try:
-            value = await call
-        except asyncio.CancelledError:
-            settle(CallbackFailed(DELEGATE_TASK_CANCELLED))
-            raise
-        except BaseException as error:
-            settle(callback_failure(error))
-            if not isinstance(error, Exception):
-                raise
-            return
-        settle(NotificationAccepted() if notification else ToolReturned(value))
-
     loop = asyncio.get_running_loop()
-    task: asyncio.Task[None]
+    coroutine = _serve(call, settle, notification)
     if _EAGER_TASK_FACTORY is not None:
-        task = _EAGER_TASK_FACTORY(loop, serve())
-    else:
-        task = loop.create_task(serve())
-    return None if task.done() else task
+        task: asyncio.Task[None] = _EAGER_TASK_FACTORY(loop, coroutine)
+        return None if task.done() else task
+    return _start_eagerly(loop, coroutine)
+
+
+class _FirstStep:
+    """A coroutine whose first step already ran; :meth:`drive` continues it inside a Task."""
+
+    __slots__ = ("coroutine", "error", "finished", "yielded")
+
+    def __init__(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        self.coroutine = coroutine
+        self.finished = False
+        self.error: BaseException | None = None
+        self.yielded: Any = None
+
+    def run(self) -> None:
+        try:
+            self.yielded = self.coroutine.send(None)
+        except StopIteration:
+            self.finished = True
+        except BaseException as error:
+            self.finished, self.error = True, error
+
+    def drive(self) -> Generator[Any, Any, None]:
+        """The Task's coroutine. Started (primed) before the Task first runs, so that even an
+        exception the Task throws in at its first step (a cancellation) reaches the callback."""
+        coroutine = self.coroutine
+        try:
+            yield _PRIMED  # the Task's first step resumes here
+        except BaseException as error:
+            if self.finished:
+                raise
+            yielded = None
+            thrown: BaseException | None = error
+        else:
+            if self.finished:
+                if self.error is not None:
+                    raise self.error
+                return
+            yielded, thrown = self.yielded, None
+        while True:
+            if thrown is not None:  # what the Task threw in goes on to the callback
+                forwarded, thrown = thrown, None
+                try:
+                    yielded = coroutine.throw(forwarded)
+                except StopIteration:
+                    return
+            try:
+                sent = yield yielded
+            except GeneratorExit:
+                coroutine.close()
+                raise
+            except BaseException as raised:
+                thrown = raised
+                continue
+            try:
+                yielded = coroutine.send(sent)
+            except StopIteration:
+                return
+
+
+_PRIMED: Final = object()
+
+
+def _start_eagerly(
+    loop: asyncio.AbstractEventLoop, coroutine: Coroutine[Any, Any, None]
+) -> asyncio.Task[None] | None:
+    """Python 3.11's stand-in for 3.12's eager tasks: the first step runs now, *as* the task
+    that will drive the rest (so ``asyncio.current_task()``, and every timeout or cancel scope
+    entered in that step, belong to it), in that task's context. The task's own first step,
+    scheduled as usual, then only picks up where this one stopped."""
+    context = contextvars.copy_context()
+    step = _FirstStep(coroutine)
+    driver = step.drive()
+    task = loop.create_task(cast(Coroutine[Any, Any, None], driver), context=context)
+    outer = asyncio.current_task(loop)
+    if outer is not None:
+        _leave_task(loop, outer)
+    _enter_task(loop, task)
+    try:
+        context.run(step.run)
+    finally:
+        _leave_task(loop, task)
+        if outer is not None:
+            _enter_task(loop, outer)
+    next(driver)  # to its first yield, before the Task's first step
+    return None if step.finished else task
+
+
+async def _serve(
+    call: Coroutine[Any, Any, Any], settle: Callable[[CallbackResult], object], notification: bool
+) -> None:
+    try:
+        value = await call
+    except asyncio.CancelledError:
+        settle(CallbackFailed(DELEGATE_TASK_CANCELLED))
+        raise
+    except BaseException as error:
+        settle(callback_failure(error))
+        if not isinstance(error, Exception):
+            raise
+        return
+    settle(NotificationAccepted() if notification else ToolReturned(value))

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, Final
 
 from codemode.errors import CodeModeError, ConnectionClosed
@@ -83,7 +84,8 @@ class V1ClientConnection:
         self._delegates: dict[str, CodeModeSessionDelegate] = {}
         self._sessions: dict[str, RemoteSession] = {}
         self._tokens: dict[int, CancellationToken] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        # Callback tasks by delegate id, held until they settle (the loop keeps weak references).
+        self._callback_tasks: dict[int, asyncio.Task[None]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._closer: asyncio.Task[None] | None = None
         self._dead = asyncio.Event()
@@ -389,17 +391,19 @@ class V1ClientConnection:
         else:
             call = delegate.invoke_tool(callback.invocation, token)
 
-        def settle(result: CallbackResult) -> None:
-            self._tokens.pop(delegate_id, None)
-            self._protocol.finish_callback(delegate_id, result)
-            self._flush()
-
         task = serve_callback(
-            call, settle, notification=isinstance(callback, ev.NotificationCallback)
+            call,
+            partial(self._settle, delegate_id),
+            notification=isinstance(callback, ev.NotificationCallback),
         )
         if task is not None:
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._callback_tasks[delegate_id] = task
+
+    def _settle(self, delegate_id: int, result: CallbackResult) -> None:
+        self._tokens.pop(delegate_id, None)
+        self._callback_tasks.pop(delegate_id, None)
+        self._protocol.finish_callback(delegate_id, result)
+        self._flush()
 
     def _cell_closed(self, session_id: str, cell_id: CellId) -> None:
         delegate = self._delegates.get(session_id)

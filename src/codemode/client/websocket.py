@@ -28,7 +28,7 @@ from codemode.protocol.texts import host_unreachable
 from codemode.protocol.v1.revision import WireRevision
 from codemode.protocol.v1.urls import bulk_url
 from codemode.transports.base import describe
-from codemode.transports.websocket import CLOSE_TIMEOUT, WebSocketTransport
+from codemode.transports.websocket import CLOSE_TIMEOUT, WRITE_HIGH_WATER, WebSocketTransport
 
 __all__ = ["WebSocketCodeModeSessionProvider", "WebSocketLink", "connect_websocket"]
 
@@ -44,6 +44,7 @@ async def _open(url: str, token: str | None, settings: dict[str, Any]) -> Client
             max_queue=4,
             proxy=None,
             close_timeout=CLOSE_TIMEOUT,
+            write_limit=WRITE_HIGH_WATER,
             **settings,
         )
     except InvalidStatus as error:

@@ -28,7 +28,7 @@ from codemode.host.v1 import HostOptions, V1HostConnection
 from codemode.protocol.constants import DUAL_WEBSOCKET_CAPABILITY, MAX_WEBSOCKET_MESSAGE_BYTES
 from codemode.session import CodeModeSessionProvider
 from codemode.transports.base import TransportError
-from codemode.transports.websocket import CLOSE_TIMEOUT, WebSocketTransport
+from codemode.transports.websocket import CLOSE_TIMEOUT, WRITE_HIGH_WATER, WebSocketTransport
 
 __all__ = [
     "DEFAULT_MAX_CONNECTIONS",
@@ -154,6 +154,7 @@ class WebSocketHost:
             ping_interval=self._ping_interval,
             ping_timeout=self._ping_timeout,
             close_timeout=CLOSE_TIMEOUT,
+            write_limit=WRITE_HIGH_WATER,
             server_header=None,
             logger=logging.getLogger("codemode.host.websocket"),
         )

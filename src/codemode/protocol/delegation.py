@@ -33,19 +33,20 @@ __all__ = [
 _ENCODER: Final = msgspec.json.Encoder()
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: these are made once per nested call, and a frozen dataclass's __init__ costs more.
+@dataclass(slots=True)
 class ToolReturned:
     """``invoke_tool`` returned ``value``."""
 
     value: JSON
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class NotificationAccepted:
     """``notify`` returned."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CallbackFailed:
     """The callback failed; ``message`` is what the cell's promise rejects with."""
 

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Coroutine
 from enum import Enum
+from functools import partial
 from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
@@ -255,26 +256,26 @@ class Cell:
             self.cell_id, call_id, definition.tool_name, definition.kind, arguments
         )
 
-        def settle(result: CallbackResult) -> None:
-            self._calls.pop(call_id, None)
-            if token.is_cancelled() or self._state is not _State.RUNNING:
-                return  # nobody wants it any more
-            if isinstance(result, CallbackFailed):
-                self._engine.send_result(self.key, call_id, False, result.message)
-                return
-            try:
-                encoded = tool_result_json(getattr(result, "value", None))
-            except CodeModeError as error:
-                self._engine.send_result(self.key, call_id, False, error.message)
-                return
-            self._engine.send_result(self.key, call_id, True, msgspec.Raw(encoded))
-
         call = self._session.delegate.invoke_tool(invocation, token)
-        task = serve_callback(call, settle)
+        task = serve_callback(call, partial(self._settle_call, call_id, token))
         if task is not None:  # an eagerly started tool may already have answered
             self._calls[call_id] = (task, token)
             self._session.pending_calls += 1
             task.add_done_callback(self._session.callback_done)
+
+    def _settle_call(self, call_id: str, token: CancellationToken, result: CallbackResult) -> None:
+        self._calls.pop(call_id, None)
+        if token.is_cancelled() or self._state is not _State.RUNNING:
+            return  # nobody wants it any more
+        if isinstance(result, CallbackFailed):
+            self._engine.send_result(self.key, call_id, False, result.message)
+            return
+        try:
+            encoded = tool_result_json(getattr(result, "value", None))
+        except CodeModeError as error:
+            self._engine.send_result(self.key, call_id, False, error.message)
+            return
+        self._engine.send_result(self.key, call_id, True, msgspec.Raw(encoded))
 
     def on_notify(self, text: str) -> None:
         if self._state is not _State.RUNNING:

@@ -80,16 +80,15 @@ class Pump(Generic[E]):
         protocol, transport = self.protocol, self.transport
         try:
             while True:
-                outgoing = protocol.data_to_send()
-                for frame, lane in outgoing:
+                for frame, lane in protocol.data_to_send():
                     try:
                         transport.send(frame, lane)
                     except (TransportError, OSError) as error:
                         protocol.write_failed(describe(error))
                         break
                 events = protocol.events_received()
-                if not outgoing and not events:
-                    return
+                if not events:
+                    return  # applying no event queued nothing new
                 for event in events:
                     self._apply(event)
         finally:

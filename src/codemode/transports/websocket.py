@@ -3,7 +3,7 @@
 Every binary message carries exactly one frame; the transport hands each message over whole
 (``whole_frames``) and never looks inside. On a pair, control is read first whenever both sockets
 have a message ready, so a large tool result on the bulk socket never delays an answer on the
-control socket. Each socket has one writer; what waits to be written is bounded by
+control socket. Frames are written at once, in order; what waits to be written is bounded by
 :meth:`WebSocketTransport.drain`, and each socket's reader holds at most one message its
 consumer has not taken, so a peer that floods or stops reading cannot grow our memory.
 """
@@ -17,13 +17,15 @@ from typing import Final
 
 from websockets.asyncio.connection import Connection
 from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
+from websockets.protocol import State
 
 from codemode.protocol.v1.lanes import Lane
 from codemode.transports.base import TextMessageReceived, TransportError, describe
 
 __all__ = ["CLOSE_TIMEOUT", "WRITE_HIGH_WATER", "WebSocketTransport"]
 
-#: Bytes queued for writing on one socket above which :meth:`WebSocketTransport.drain` waits.
+#: Bytes buffered for writing on one socket above which :meth:`WebSocketTransport.drain` waits
+#: (the ``write_limit`` both ends give the library).
 WRITE_HIGH_WATER: Final = 1 << 20
 #: How long a closing handshake may wait for the peer (both ends): a silent peer must not hold a
 #: connection, and its sessions, long after its keepalive failed.
@@ -40,17 +42,9 @@ class _Socket:
         self.connection = connection
         self.ready: deque[object] = deque()  # at most one message, or how the socket ended
         self.taken = asyncio.Event()
-        self.outgoing: deque[bytes | bytearray] = deque()
-        self.queued = 0  # bytes in ``outgoing`` and in the write in progress
-        self.wake_writer = asyncio.Event()
-        self.drained = asyncio.Event()
-        self.drained.set()
         self.failure: str | None = None
         self._transport = transport
-        self.tasks = (
-            asyncio.ensure_future(self._read()),
-            asyncio.ensure_future(self._write()),
-        )
+        self.reader = asyncio.ensure_future(self._read())
 
     async def _read(self) -> None:
         connection = self.connection
@@ -72,43 +66,34 @@ class _Socket:
             self.taken.clear()
             await self.taken.wait()  # the consumer took it: read the next one
 
-    async def _write(self) -> None:
-        while True:
-            if not self.outgoing:
-                self.wake_writer.clear()
-                await self.wake_writer.wait()
-                continue
-            frame = self.outgoing.popleft()
-            try:
-                await self.connection.send(frame)
-            except Exception as error:
-                self.failure = describe(error)
-                self.drained.set()
-                return
-            self.queued -= len(frame)
-            if self.queued < WRITE_HIGH_WATER:
-                self.drained.set()
-
     def send(self, frame: bytes | bytearray) -> None:
+        # Written at once, in order, like a stream writer: the library's sans-I/O protocol frames
+        # the message and the socket's transport buffers what the peer has not taken yet
+        # (drain() bounds that).
+        connection = self.connection
+        if self.failure is None and connection.protocol.state is not State.OPEN:
+            self.failure = "the WebSocket connection is closed"
         if self.failure is not None:
             raise TransportError(self.failure)
-        self.outgoing.append(frame)
-        self.queued += len(frame)
-        if self.queued >= WRITE_HIGH_WATER:
-            self.drained.clear()
-        self.wake_writer.set()
+        connection.protocol.send_binary(frame)
+        connection.send_data()
+
+    async def drain(self) -> None:
+        try:
+            await self.connection.drain()
+        except Exception as error:
+            self.failure = self.failure or describe(error)
+        if self.failure is not None:
+            raise TransportError(self.failure)
 
     async def close(self) -> None:
         if self.failure is None:
             self.failure = "the WebSocket connection is closed"
-        self.drained.set()  # a drain() waiting for this socket ends (with the failure)
-        for task in self.tasks:
-            task.cancel()
+        self.reader.cancel()
         with contextlib.suppress(Exception):
             await self.connection.close()
-        for task in self.tasks:
-            with contextlib.suppress(BaseException):
-                await task
+        with contextlib.suppress(BaseException):
+            await self.reader
 
 
 def _closed_detail(error: ConnectionClosed) -> str:
@@ -175,9 +160,7 @@ class WebSocketTransport:
     async def drain(self) -> None:
         for socket in (self._control, self._bulk):
             if socket is not None:
-                await socket.drained.wait()
-                if socket.failure is not None:
-                    raise TransportError(socket.failure)
+                await socket.drain()
 
     def _wake(self) -> None:
         self._wakeup.set()
