@@ -91,12 +91,6 @@ class Served:
             return await self.task
 
 
-@pytest.fixture
-async def provider() -> AsyncIterator[LocalSessionProvider]:
-    async with LocalSessionProvider() as instance:
-        yield instance
-
-
 @contextlib.asynccontextmanager
 async def serving(
     provider: CodeModeSessionProvider, options: HostOptions | None = None

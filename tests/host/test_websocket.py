@@ -236,12 +236,6 @@ def logged(caplog: pytest.LogCaptureFixture) -> list[str]:
 # -- fixtures --------------------------------------------------------------------------------
 
 
-@pytest.fixture
-async def provider() -> AsyncIterator[LocalSessionProvider]:
-    async with LocalSessionProvider() as instance:
-        yield instance
-
-
 @contextlib.asynccontextmanager
 async def listening(
     provider: LocalSessionProvider, path: str = "/", **options: Any
