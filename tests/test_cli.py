@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+from codemode.protocol.v1.messages import OperationCancel
 from tests.wire import frame, hello, payloads
 
 
@@ -232,3 +234,22 @@ def test_host_refuses_a_public_address_without_a_token() -> None:
     assert done.returncode == 2
     assert done.stdout == b""
     assert b"refusing to listen on 0.0.0.0 without a token" in done.stderr
+
+
+def test_version() -> None:
+    done = codemode("--version")
+    assert done.returncode == 0
+    assert re.fullmatch(rb"codemode \d+\.\d+\.\d+\S*\n", done.stdout), done.stdout
+
+
+def test_a_reader_that_stops_early_is_not_an_error(tmp_path: Path) -> None:
+    capture = tmp_path / "capture.bin"
+    capture.write_bytes(b"".join(frame(OperationCancel(n)) for n in range(1, 20_001)))
+    command = [sys.executable, "-m", "codemode", "wire", "frames", str(capture)]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as child:
+        assert child.stdout is not None and child.stderr is not None
+        assert child.stdout.readline() == b'{"type":"operation/cancel","id":1}\n'
+        child.stdout.close()  # like `| head -1`
+        errors = child.stderr.read()
+        assert child.wait(timeout=60) == 0
+    assert errors == b""

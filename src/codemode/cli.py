@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 import os
 import signal
@@ -111,11 +112,12 @@ def _wire_frames(args: argparse.Namespace) -> int:
     if args.file == "-":
         return _print_frames(sys.stdin.buffer, args.type, args.wire_revision)
     try:
-        with open(args.file, "rb") as stream:
-            return _print_frames(stream, args.type, args.wire_revision)
+        stream = open(args.file, "rb")  # noqa: SIM115 - closed below; read errors stay apart
     except OSError as error:
         print(f"codemode: cannot read {args.file}: {error.strerror}", file=sys.stderr)
         return 1
+    with stream:
+        return _print_frames(stream, args.type, args.wire_revision)
 
 
 def _print_frames(stream: BinaryIO, type_name: str, revision: WireRevision) -> int:
@@ -399,6 +401,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="codemode",
         description="Code Mode protocol tools: run cells, serve hosts, check wire data.",
     )
+    parser.add_argument("--version", action="version", version=f"codemode {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = commands.add_parser(
@@ -579,10 +582,27 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("codemode")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - run from a source tree
+        from codemode import __version__
+
+        return __version__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     args = _parser().parse_args(argv)
-    status: int = args.handler(args)
+    try:
+        status: int = args.handler(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`codemode wire frames capture.bin | head`): not an error of ours.
+        # Point stdout at /dev/null so that the interpreter's final flush stays quiet.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     return status
 
 
