@@ -11,7 +11,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "codemode"
 
 #: Modules that would mean I/O, threads or an event loop.
-IO_MODULES = {"asyncio", "socket", "subprocess", "threading", "selectors", "os", "signal"}
+IO_MODULES = {"asyncio", "socket", "subprocess", "threading", "selectors", "os", "signal", "grpc"}
 #: What the glue must not reach into: wire structs, framing, lanes, or texts to format.
 WIRE_MODULES = {
     "codemode.protocol.v1.messages",

@@ -1,0 +1,146 @@
+"""Every exact text the gRPC conversions and identifier checks produce, named by meaning.
+
+Peers and tests compare these byte for byte; each comment gives the section of ``grpc.md`` and, in
+quotes, its wording (``⟨…⟩`` are the placeholders). Texts with placeholders are functions; the
+rest are constants. Texts the specification leaves open (``⟨detail⟩``, ``⟨reason⟩``) are this
+project's and say so.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from codemode.protocol.grpc.constants import MAX_IDENTIFIER_BYTES
+
+# -- decoding an outcome (client side, §10) ----------------------------------------------------------
+
+#: §10 "code-mode execution omitted its outcome": an ``ExecutionOutcome`` without its ``outcome`` oneof.
+EXECUTION_OMITTED_OUTCOME: Final = "code-mode execution omitted its outcome"
+#: §10 "code-mode wait omitted its outcome": a ``WaitResponse`` without its ``state`` oneof.
+WAIT_OMITTED_OUTCOME: Final = "code-mode wait omitted its outcome"
+#: §10 "code-mode execution returned an empty content item": a ``ContentItem`` without its ``item``.
+EMPTY_CONTENT_ITEM: Final = "code-mode execution returned an empty content item"
+
+
+def invalid_image_detail(value: int) -> str:
+    """§10 "code-mode image has invalid detail value ⟨V⟩" (present but unspecified or unknown)."""
+    return f"code-mode image has invalid detail value {value}"
+
+
+# -- identifiers the host returned (client side, §3, §10, §13.2, §13.4) ------------------------------
+# ⟨what⟩ is one of "session ID", "cell ID", "tool call ID", "notification call ID".
+
+
+def host_returned_empty_identifier(what: str) -> str:
+    """§10, §13.2 "gRPC code-mode host returned an empty cell ID" / "… an empty session ID"."""
+    return f"gRPC code-mode host returned an empty {what}"
+
+
+def host_returned_long_identifier(what: str) -> str:
+    """§13.4 "gRPC code-mode host returned ⟨field⟩ exceeding 256 bytes"."""
+    return f"gRPC code-mode host returned {what} exceeding {MAX_IDENTIFIER_BYTES} bytes"
+
+
+#: §13.4 "code-mode tool invocation ID must be a UUID".
+INVOCATION_ID_NOT_UUID: Final = "code-mode tool invocation ID must be a UUID"
+#: §7 "code-mode notification ID must be a UUID".
+NOTIFICATION_ID_NOT_UUID: Final = "code-mode notification ID must be a UUID"
+
+# -- identifiers a client sent (host side, §3, §12.1) ------------------------------------------------
+
+
+def invalid_identifier(field: str, reason: str) -> str:
+    """§12.1 "invalid code-mode ⟨field⟩: ⟨reason⟩"; ⟨field⟩ is the proto field (``session_id``)."""
+    return f"invalid code-mode {field}: {reason}"
+
+
+# The ⟨reason⟩s are this project's (§12.1 Decision).
+#: ⟨reason⟩ of an empty identifier.
+IDENTIFIER_EMPTY: Final = "must not be empty"
+#: ⟨reason⟩ of an identifier over ``MAX_IDENTIFIER_BYTES``.
+IDENTIFIER_TOO_LONG: Final = f"must be at most {MAX_IDENTIFIER_BYTES} bytes"
+#: ⟨reason⟩ of an identifier that must be a UUID and is not.
+IDENTIFIER_NOT_UUID: Final = "must be a UUID"
+
+# -- execute requests and session limits ---------------------------------------------------------
+
+
+def invalid_execute_request(detail: str) -> str:
+    """§12.1 "invalid code-mode execute request: ⟨detail⟩" (the same wording as V1's H6)."""
+    return f"invalid code-mode execute request: {detail}"
+
+
+# The ⟨detail⟩s of an invalid execute request are this project's; ⟨name⟩ is ``ToolDefinition.name``.
+
+
+def tool_omitted_tool_name(name: str) -> str:
+    """⟨detail⟩: an enabled tool without ``tool_name``."""
+    return f"enabled tool `{name}` omitted its tool_name"
+
+
+def tool_kind_unspecified(name: str) -> str:
+    """⟨detail⟩: an enabled tool whose kind is ``TOOL_KIND_UNSPECIFIED``."""
+    return f"enabled tool `{name}` has kind TOOL_KIND_UNSPECIFIED"
+
+
+def tool_kind_unknown(name: str, value: int) -> str:
+    """⟨detail⟩: an enabled tool whose kind is no ``ToolKind`` value."""
+    return f"enabled tool `{name}` has unknown kind {value}"
+
+
+def tool_schema_not_json(name: str, field: str, detail: str) -> str:
+    """⟨detail⟩: ``input_schema_json`` / ``output_schema_json`` is not strict UTF-8 JSON."""
+    return f"{field} of enabled tool `{name}` is not valid JSON: {detail}"
+
+
+def tool_input_schema_not_encodable(detail: str) -> str:
+    """§10 "failed to encode code-mode tool input schema: ⟨detail⟩"."""
+    return f"failed to encode code-mode tool input schema: {detail}"
+
+
+def tool_output_schema_not_encodable(detail: str) -> str:
+    """The output-schema twin of the text above (upstream's wording; §10 names only the input's)."""
+    return f"failed to encode code-mode tool output schema: {detail}"
+
+
+def invalid_heap_size_limit(detail: str) -> str:
+    """§10 "invalid code-mode heap size limit: ⟨detail⟩" (a limit that does not fit a uint64)."""
+    return f"invalid code-mode heap size limit: {detail}"
+
+
+# -- nested tool calls (client side, §6, §13.4) -------------------------------------------------------
+
+#: §13.4 "code-mode tool invocation omitted its tool name" (answered, the session stays open).
+TOOL_CALL_OMITTED_TOOL_NAME: Final = "code-mode tool invocation omitted its tool name"
+
+
+def tool_not_enabled(name: str) -> str:
+    """§13.4 "code-mode tool ⟨name⟩ is not enabled for this execution" (answered).
+
+    Also the answer to a ``ToolCall`` whose kind is unspecified or unknown: no enabled tool has it.
+    """
+    return f"code-mode tool {name} is not enabled for this execution"
+
+
+def tool_call_input_not_json(detail: str) -> str:
+    """A ``ToolCall.input_json`` that is not strict JSON (upstream's wording; not in ``grpc.md``)."""
+    return f"code-mode tool invocation contains invalid JSON: {detail}"
+
+
+# -- tool results (client side, §6.3, §11) -------------------------------------------------------------
+
+#: §6.3 "… [truncated]": ends a failure message that was cut to fit 64 KiB.
+TRUNCATED_SUFFIX: Final = "... [truncated]"
+
+
+def tool_result_not_encodable(detail: str) -> str:
+    """§6.3 "failed to encode code-mode tool result: ⟨detail⟩"."""
+    return f"failed to encode code-mode tool result: {detail}"
+
+
+def tool_result_too_large(size: int, limit: int) -> str:
+    """§6.3 "code-mode tool result of ⟨N⟩ encoded bytes exceeds the gRPC message limit of ⟨M⟩ bytes"."""
+    return (
+        f"code-mode tool result of {size} encoded bytes exceeds the gRPC message limit of "
+        f"{limit} bytes"
+    )
