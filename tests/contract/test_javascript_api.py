@@ -9,7 +9,7 @@ import pytest
 
 from codemode.protocol import CodeModeToolKind, InputText
 from tests.contract.conftest import Harness
-from tests.contract.delegate import ECHO, PATCH, RecordingDelegate
+from tests.contract.delegate import ECHO, PATCH, RecordingDelegate, function_tool
 from tests.contract.helpers import P, aud, img, items, run, start, wav, wav_url
 
 IMAGE_ANY = (
@@ -469,3 +469,16 @@ async def test_non_finite_tool_result_is_not_json(harness: Harness) -> None:
     assert result.content_items == items(
         "code-mode delegate returned a value that is not JSON: nan is not a JSON number"
     )
+
+
+async def test_tools_with_one_identifier_are_all_listed_and_the_last_is_called(
+    harness: Harness,
+) -> None:
+    first, last = function_tool("echo-x", "first"), function_tool("echo_x", "second")
+    delegate = RecordingDelegate(enabled=[first, last])
+    session = await harness.session(delegate)
+    source = "text(JSON.stringify(ALL_TOOLS)); await tools.echo_x({v: 1});"
+    result = await run(session, source, tools=[first, last])
+    listed = '[{"name":"echo_x","description":"first"},{"name":"echo_x","description":"second"}]'
+    assert result.content_items == items(listed)
+    assert [call.tool_name.name for call in delegate.calls] == ["echo_x"]

@@ -330,14 +330,12 @@ class LocalSession(CodeModeSession):
         return value if cap is None else min(value, cap)
 
     def _config(self, tools: list[ToolDefinition]) -> str:
-        seen: set[str] = set()
+        # Tools whose names normalize to one identifier are all listed, and the last of them is
+        # the one `tools[identifier]` calls (as the upstream host does).
         callable_tools: list[tuple[str, int]] = []
         listed: list[dict[str, str]] = []
         for index, tool in enumerate(tools):
             identifier = normalize_identifier(tool.name)
-            if identifier in seen:
-                continue  # the first tool with an identifier wins (§4.2)
-            seen.add(identifier)
             callable_tools.append((identifier, index))
             listed.append({"name": identifier, "description": tool.description})
         store = list(self._store.items()) if self._store_load else None

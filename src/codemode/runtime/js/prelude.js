@@ -22,7 +22,6 @@
   const trunc = Math.trunc;
   const PromiseCtor = Promise;
   const MapCtor = Map;
-  const hasOwn = Object.hasOwn;
   const defineProperty = Object.defineProperty;
   const toLower = (s) => StringOf.prototype.toLowerCase.call(s);
   const trim = (s) => StringOf.prototype.trim.call(s);
@@ -470,7 +469,7 @@
     const config = parse(configJson);
     const tools = {};
     for (const [identifier, index] of config.tools) {
-      if (!hasOwn(tools, identifier)) tools[identifier] = makeTool(index);
+      tools[identifier] = makeTool(index); // the last tool with an identifier wins
     }
     // Enumerable, in the upstream host's order (what `Object.keys(globalThis)` shows).
     install('tools', tools);
