@@ -1,0 +1,80 @@
+"""What several commands share: argument types, engine options, the embedded provider."""
+
+from __future__ import annotations
+
+import argparse
+
+from codemode.protocol.v1 import WireRevision
+from codemode.runtime import LocalSessionProvider
+from codemode.runtime.engine import DEFAULT_MEMORY_CAP_BYTES
+
+__all__ = [
+    "engine_arguments",
+    "local_provider",
+    "non_negative",
+    "positive",
+    "wire_revision_argument",
+]
+
+
+def non_negative(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def positive(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    value = non_negative(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("expected a positive integer, got 0")
+    return value
+
+
+def wire_revision_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """Add ``--wire-revision`` (``what`` says what it selects)."""
+    parser.add_argument(
+        "--wire-revision",
+        type=WireRevision,
+        choices=list(WireRevision),
+        default=WireRevision.PINNED,
+        metavar="{" + ",".join(WireRevision) + "}",
+        help=f"{what}: pinned (V1 as pinned, the default) or latest (upstream 0.164+: "
+        "runtime responses carry code_mode_host_duration_ns and result_buffered_for_ns)",
+    )
+
+
+def engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the engine options ``run`` and ``host`` share."""
+    parser.add_argument(
+        "--memory-cap",
+        type=positive,
+        default=DEFAULT_MEMORY_CAP_BYTES,
+        metavar="BYTES",
+        help="resident-memory cap of each session's engine process (past it, its cells end)",
+    )
+    parser.add_argument(
+        "--require-confinement",
+        action="store_true",
+        help="refuse to run cells where an OS confinement layer is unavailable",
+    )
+    parser.add_argument(
+        "--shared-engine",
+        action="store_true",
+        help="run all sessions in one engine process (one trust domain)",
+    )
+
+
+def local_provider(args: argparse.Namespace, *, store_load: bool = True) -> LocalSessionProvider:
+    """The embedded runtime, configured by the engine options."""
+    return LocalSessionProvider(
+        store_load=store_load,
+        shared_engine=args.shared_engine,
+        memory_cap_bytes=args.memory_cap,
+        require_confinement=args.require_confinement,
+    )

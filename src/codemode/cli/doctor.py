@@ -1,0 +1,49 @@
+"""``codemode doctor``: is the engine set up, and which confinement layers apply here."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from codemode.errors import CodeModeError
+from codemode.runtime import confinement, find_node
+from codemode.runtime.confinement import LAYERS
+from codemode.runtime.isolated_vm import VERSION as ISOLATED_VM_VERSION
+from codemode.runtime.isolated_vm import ensure_isolated_vm
+
+__all__ = ["add_parser"]
+
+
+def _doctor_command(args: argparse.Namespace) -> int:
+    """Print what the engine needs and which confinement layers apply here."""
+    report = confinement.probe()
+    node = find_node()
+    print(f"node: {node}")
+    try:
+        addon = ensure_isolated_vm(node)
+    except CodeModeError as error:
+        print(f"isolated-vm {ISOLATED_VM_VERSION}: MISSING ({error})")
+        return 1
+    print(f"isolated-vm {ISOLATED_VM_VERSION}: {addon}")
+    print(report.describe())
+    for layer in LAYERS:
+        print(f"  {layer}: {'active' if layer in report.active() else 'MISSING'}")
+    if args.require_confinement and report.missing():
+        print("codemode: required confinement layers are missing", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``doctor`` command."""
+    doctor = commands.add_parser(
+        "doctor",
+        help="check the engine set-up and which confinement layers apply here",
+        description="Find Node.js, fetch the pinned isolated-vm addon if it is not cached yet, "
+        "and list the engine confinement layers this machine applies. Exit 1 if the engine "
+        "cannot start, or (with --require-confinement) if a layer is missing.",
+    )
+    doctor.add_argument(
+        "--require-confinement", action="store_true", help="fail if any layer is missing"
+    )
+    doctor.set_defaults(handler=_doctor_command)

@@ -1,0 +1,213 @@
+"""``codemode host``: serve the embedded runtime over stdio or WebSocket."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from codemode.cli.common import (
+    engine_arguments,
+    local_provider,
+    positive,
+    wire_revision_argument,
+)
+from codemode.host import HostOptions, serve_v1_connection
+from codemode.host.websocket import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_PING_INTERVAL,
+    DEFAULT_PING_TIMEOUT,
+    WebSocketAddress,
+    WebSocketHost,
+    is_loopback,
+)
+from codemode.protocol.constants import DEFAULT_MAX_ACTIVE_CELLS, DEFAULT_MAX_IN_FLIGHT_REQUESTS
+from codemode.runtime import confinement
+from codemode.transports import stdio_transport
+
+__all__ = ["add_parser"]
+
+
+def _host_options(args: argparse.Namespace) -> HostOptions:
+    return HostOptions(
+        max_in_flight_requests=args.max_in_flight_requests,
+        max_active_cells=args.max_active_cells,
+        wire_revision=args.wire_revision,
+    )
+
+
+async def _host_stdio(args: argparse.Namespace) -> int:
+    provider = local_provider(args, store_load=not args.no_store_load)
+    logging.getLogger("codemode.host").info("%s", confinement.probe().describe())
+    # Start an engine while the client says hello.
+    warming = asyncio.ensure_future(provider.warm())
+    try:
+        transport = await stdio_transport()
+        clean = await serve_v1_connection(transport, provider, _host_options(args))
+    finally:
+        if not warming.done():
+            warming.cancel()
+        with contextlib.suppress(BaseException):
+            await warming
+        await provider.aclose()
+    return 0 if clean else 1
+
+
+async def _host_websocket(
+    args: argparse.Namespace, address: WebSocketAddress, token: str | None
+) -> int:
+    provider = local_provider(args, store_load=not args.no_store_load)
+    log = logging.getLogger("codemode.host")
+    log.info("%s", confinement.probe().describe())
+    host = WebSocketHost(
+        provider,
+        address,
+        options=_host_options(args),
+        token=token,
+        max_connections=args.max_connections,
+        ping_interval=args.ping_interval or None,
+        ping_timeout=args.ping_timeout or None,
+    )
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        try:
+            url = await host.start()
+        except OSError as error:
+            print(f"codemode host: cannot listen on {address.url()}: {error}", file=sys.stderr)
+            return 1
+        print(url, flush=True)
+        log.info("event=listening url=%s auth=%s", url, "token" if token else "none")
+        await stop.wait()
+        log.info("event=shutting-down grace=%s", args.shutdown_grace)
+        await host.shutdown(args.shutdown_grace)
+    finally:
+        await host.aclose()
+        await provider.aclose()
+    return 0
+
+
+def _host_token(args: argparse.Namespace) -> str | None:
+    """The bearer token from ``--token-file`` or ``$CODEMODE_HOST_TOKEN``."""
+    if args.token_file is not None:
+        token = Path(args.token_file).read_text().strip()
+        if not token:
+            raise ValueError(f"{args.token_file} is empty")
+        return token
+    return os.environ.get("CODEMODE_HOST_TOKEN") or None
+
+
+def _host_command(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="codemode host: %(levelname)s %(message)s",
+    )
+    if not args.verbose:  # the listener logs each connection in one structured line already
+        logging.getLogger("codemode.host.websocket").setLevel(logging.WARNING)
+    listen = "stdio" if args.stdio else args.listen
+    if listen is None:
+        print("codemode host: --stdio or --listen ADDRESS is required", file=sys.stderr)
+        return 2
+    try:
+        if listen == "stdio":
+            return asyncio.run(_host_stdio(args))
+        try:
+            address = WebSocketAddress.parse(listen)
+            token = _host_token(args)
+        except (ValueError, OSError) as error:
+            print(f"codemode host: --listen {listen}: {error}", file=sys.stderr)
+            return 2
+        if token is None and not is_loopback(address.host) and not args.insecure:
+            print(
+                f"codemode host: refusing to listen on {address.host} without a token: give "
+                "--token-file (or $CODEMODE_HOST_TOKEN), or --insecure to serve anyone who "
+                "can reach it",
+                file=sys.stderr,
+            )
+            return 2
+        return asyncio.run(_host_websocket(args, address, token))
+    except KeyboardInterrupt:
+        return 130
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``host`` command."""
+    host = commands.add_parser(
+        "host",
+        help="serve sessions to a remote client over Protocol V1",
+        description="Serve the embedded runtime over Protocol V1. With --stdio (or --listen "
+        "stdio, the upstream host's spelling), serve exactly one connection on stdin/stdout "
+        "(stdout carries frames only; logs go to stderr) and exit when stdin ends: status 0 after "
+        "a clean end, 1 after a connection error. With --listen ws://ADDR:PORT[/PATH], serve "
+        "WebSocket connections (single, or control + bulk) until SIGTERM/SIGINT; the first line "
+        "of stdout is the control URL (PORT 0 picks a free port). A non-loopback address needs "
+        "a token (--token-file or $CODEMODE_HOST_TOKEN) unless --insecure. Status 2: bad usage.",
+    )
+    host.add_argument("--stdio", action="store_true", help="serve one connection on stdin/stdout")
+    host.add_argument(
+        "--listen",
+        metavar="ADDRESS",
+        help="`stdio` (the same as --stdio) or ws://ADDR:PORT[/PATH]",
+    )
+    host.add_argument(
+        "--token-file",
+        metavar="PATH",
+        help="WebSocket: require `Authorization: Bearer <the file's content>` on every socket",
+    )
+    host.add_argument(
+        "--insecure",
+        action="store_true",
+        help="WebSocket: allow a non-loopback address without a token",
+    )
+    host.add_argument(
+        "--max-connections",
+        type=positive,
+        default=DEFAULT_MAX_CONNECTIONS,
+        metavar="N",
+        help="WebSocket: connections served at once (more get HTTP 503)",
+    )
+    host.add_argument(
+        "--ping-interval",
+        type=float,
+        default=DEFAULT_PING_INTERVAL,
+        metavar="SECONDS",
+        help="WebSocket: keepalive ping period (0: none)",
+    )
+    host.add_argument(
+        "--ping-timeout",
+        type=float,
+        default=DEFAULT_PING_TIMEOUT,
+        metavar="SECONDS",
+        help="WebSocket: a connection whose pong takes longer ends, with its sessions (0: never)",
+    )
+    host.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="WebSocket: on SIGTERM, how long running cells may go on before they are stopped",
+    )
+    host.add_argument(
+        "--max-in-flight-requests",
+        type=positive,
+        default=DEFAULT_MAX_IN_FLIGHT_REQUESTS,
+        metavar="N",
+    )
+    host.add_argument(
+        "--max-active-cells", type=positive, default=DEFAULT_MAX_ACTIVE_CELLS, metavar="N"
+    )
+    host.add_argument(
+        "--no-store-load", action="store_true", help="cells get no store/load globals"
+    )
+    host.add_argument("--verbose", action="store_true", help="debug logging on stderr")
+    wire_revision_argument(host, "the shape of the runtime responses the host writes")
+    engine_arguments(host)
+    host.set_defaults(handler=_host_command)

@@ -1,0 +1,160 @@
+"""``codemode run``: one cell on the embedded runtime, shown as the model would see it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+from codemode.cli.common import engine_arguments, local_provider, non_negative
+from codemode.errors import CodeModeError
+from codemode.model.registry import ToolRegistry
+from codemode.model.render import render_response
+from codemode.model.toolfile import load_tool_file
+from codemode.protocol import (
+    CellId,
+    ContentItem,
+    ExecuteRequest,
+    InputImage,
+    InputText,
+    Result,
+    RuntimeResponse,
+    Terminated,
+    WaitRequest,
+    Yielded,
+    parse_exec_source,
+)
+from codemode.protocol.constants import DEFAULT_WAIT_YIELD_TIME_MS
+from codemode.protocol.v1 import encode_payload
+from codemode.protocol.v1.conversions import runtime_response_to_wire
+
+__all__ = ["add_parser"]
+
+
+def _describe_item(item: ContentItem) -> str:
+    if isinstance(item, InputText):
+        return item.text
+    url = item.image_url if isinstance(item, InputImage) else item.audio_url
+    kind = "image" if isinstance(item, InputImage) else "audio"
+    shown = url if len(url) <= 72 else url[:60] + f"… ({len(url)} chars)"
+    detail = f", detail {item.detail.value}" if isinstance(item, InputImage) and item.detail else ""
+    return f"[{kind}: {shown}{detail}]"
+
+
+def _print_rendered(response: RuntimeResponse, seconds: float, max_tokens: int | None) -> None:
+    rendered = render_response(response, seconds, max_tokens)
+    print("\n".join(_describe_item(item) for item in rendered.items), flush=True)
+
+
+async def _run(args: argparse.Namespace) -> int:
+    if args.file == "-":
+        source = sys.stdin.read()
+    else:
+        try:
+            source = Path(args.file).read_text(encoding="utf-8")
+        except OSError as error:
+            print(f"codemode: cannot read {args.file}: {error.strerror}", file=sys.stderr)
+            return 2
+
+    def show_notification(call_id: str, cell_id: CellId, text: str) -> None:
+        print(f"notify: {text}", file=sys.stderr, flush=True)
+
+    try:
+        parsed = parse_exec_source(source)
+        if args.tools:
+            registry = load_tool_file(args.tools, on_notify=show_notification)
+        else:
+            registry = ToolRegistry(on_notify=show_notification)
+    except CodeModeError as error:
+        print(f"codemode: {error}", file=sys.stderr)
+        return 2
+    yield_ms = args.yield_ms if args.yield_ms is not None else parsed.yield_time_ms
+    max_tokens = args.max_output_tokens
+    if max_tokens is None:
+        max_tokens = parsed.max_output_tokens
+    progress = sys.stderr.isatty() and not args.json
+    started_at = time.monotonic()
+    collected: list[ContentItem] = []
+    async with local_provider(args) as provider:
+        session = await provider.create_session(registry)
+        cell = await session.execute(
+            ExecuteRequest(
+                tool_call_id="run-1",
+                source=parsed.code,
+                enabled_tools=registry.definitions(),
+                yield_time_ms=yield_ms,
+                max_output_tokens=max_tokens,
+            )
+        )
+        response = await cell.initial_response()
+        observed_at = started_at
+        while True:
+            now = time.monotonic()
+            collected.extend(response.content_items)
+            if not args.json and (response.content_items or not isinstance(response, Yielded)):
+                _print_rendered(response, now - observed_at, max_tokens)
+            elif progress:
+                print(
+                    f"… cell {cell.cell_id} still running ({now - started_at:.1f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            if not isinstance(response, Yielded):
+                break
+            observed_at = now
+            outcome = await session.wait(
+                WaitRequest(
+                    cell.cell_id, DEFAULT_WAIT_YIELD_TIME_MS if yield_ms is None else yield_ms
+                )
+            )
+            response = outcome.response
+    if args.json:
+        final: RuntimeResponse
+        if isinstance(response, Result):
+            final = Result(response.cell_id, collected, response.error_text)
+        else:
+            final = Terminated(response.cell_id, collected)
+        sys.stdout.buffer.write(encode_payload(runtime_response_to_wire(final)) + b"\n")
+        sys.stdout.flush()
+    failed = isinstance(response, Result) and response.error_text is not None
+    return 1 if failed else 0
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    try:
+        return asyncio.run(_run(args))
+    except CodeModeError as error:
+        print(f"codemode: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``run`` command."""
+    run = commands.add_parser(
+        "run",
+        help="run one JavaScript cell on the embedded runtime",
+        description="Run FILE (or - for stdin) as one code-mode cell, exactly as the exec tool "
+        "would: a first-line `// @exec: {...}` pragma is honoured, the cell can call the tools "
+        "of --tools, and a cell that yields is waited on until it completes. Prints what the "
+        "model would see; --json prints the final RuntimeResponse (all items of the run) as one "
+        "line of V1 wire JSON. Exit status: 0 completed, 1 script error, 2 usage error.",
+    )
+    run.add_argument("file", metavar="FILE", help="JavaScript source file, or - for stdin")
+    run.add_argument(
+        "--tools",
+        metavar="PATH.py",
+        help="Python file whose public top-level functions (sync or async) become tools",
+    )
+    run.add_argument(
+        "--yield-ms", type=non_negative, metavar="N", help="yield time of each observation"
+    )
+    run.add_argument(
+        "--max-output-tokens", type=non_negative, metavar="N", help="output budget per observation"
+    )
+    run.add_argument("--json", action="store_true", help="print the final response as wire JSON")
+    engine_arguments(run)
+    run.set_defaults(handler=_run_command)
