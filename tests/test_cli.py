@@ -253,3 +253,11 @@ def test_a_reader_that_stops_early_is_not_an_error(tmp_path: Path) -> None:
         errors = child.stderr.read()
         assert child.wait(timeout=60) == 0
     assert errors == b""
+
+
+def test_error_lines_count_the_pragma_line(tmp_path: Path) -> None:
+    cell = tmp_path / "cell.js"
+    cell.write_text('// @exec: {"yield_time_ms": 5000}\ntext(1);\nconst x = ;\n')
+    done = codemode("run", str(cell))
+    assert done.returncode == 1
+    assert b"SyntaxError: Unexpected token ';' (exec_main.mjs:3:11)" in done.stdout, done.stdout

@@ -306,3 +306,42 @@ async def test_wait_transport_failure_is_verbatim(session: FakeSession) -> None:
     session.failure = CodeModeError("exec cell 1 already has an active observer")
     rendered = await handler_for(session).handle_wait('{"cell_id": "1"}')
     assert rendered == failure("exec cell 1 already has an active observer")
+
+
+# -- error positions in the lines the model wrote --------------------------------------------------
+
+ERROR_AT_ENGINE_LINE_2 = "TypeError: boom\n    at exec_main.mjs:2:6\n    at exec_main.mjs:1:1"
+
+
+async def test_error_lines_count_the_pragma_line(session: FakeSession) -> None:
+    session.response = Result(
+        CellId("1"), [InputText("printed exec_main.mjs:2:6")], ERROR_AT_ENGINE_LINE_2
+    )
+    rendered = await handler_for(session).handle_exec(
+        "call-1", '// @exec: {"yield_time_ms": 5}\ntext(1)\nnull.x'
+    )
+    text = "".join(item.text for item in rendered.items if isinstance(item, InputText))
+    assert "at exec_main.mjs:3:6\n    at exec_main.mjs:2:1" in text
+    assert "printed exec_main.mjs:2:6" in text  # what the cell printed is left alone
+    assert session.executed[0].source == "text(1)\nnull.x"  # the request is as pinned
+
+
+async def test_without_a_pragma_error_lines_are_the_engine_s(session: FakeSession) -> None:
+    session.response = Result(CellId("1"), [], ERROR_AT_ENGINE_LINE_2)
+    rendered = await handler_for(session).handle_exec("call-1", "text(1)\nnull.x")
+    text = "".join(item.text for item in rendered.items if isinstance(item, InputText))
+    assert "at exec_main.mjs:2:6" in text
+
+
+async def test_a_yielded_cell_s_later_error_counts_the_pragma_line(session: FakeSession) -> None:
+    session.response = Yielded(CellId("1"), [])
+    handler = handler_for(session)
+    await handler.handle_exec("call-1", '// @exec: {"yield_time_ms": 5}\nawait 0;\nnull.x')
+    session.outcome = LiveCell(Result(CellId("1"), [], ERROR_AT_ENGINE_LINE_2))
+    rendered = await handler.handle_wait('{"cell_id": "1"}')
+    text = "".join(item.text for item in rendered.items if isinstance(item, InputText))
+    assert "at exec_main.mjs:3:6" in text
+    # The cell ended: a later cell with the same id starts from the engine's lines again.
+    rendered = await handler.handle_wait('{"cell_id": "1"}')
+    text = "".join(item.text for item in rendered.items if isinstance(item, InputText))
+    assert "at exec_main.mjs:2:6" in text

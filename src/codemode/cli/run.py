@@ -10,6 +10,7 @@ from pathlib import Path
 
 from codemode.cli.common import engine_arguments, local_provider, non_negative
 from codemode.errors import CodeModeError
+from codemode.model.positions import in_source_lines
 from codemode.model.registry import ToolRegistry
 from codemode.model.render import render_response
 from codemode.model.toolfile import load_tool_file
@@ -91,6 +92,7 @@ async def _run(args: argparse.Namespace) -> int:
         response = await cell.initial_response()
         observed_at = started_at
         while True:
+            response = in_source_lines(response, parsed.removed_lines)
             now = time.monotonic()
             collected.extend(response.content_items)
             if not args.json and (response.content_items or not isinstance(response, Yielded)):

@@ -15,6 +15,7 @@ from typing import Final, TypeAlias
 
 from codemode.errors import CodeModeError
 from codemode.model.exec_tool import parse_wait_arguments
+from codemode.model.positions import in_source_lines, outcome_in_source_lines
 from codemode.model.render import RenderedOutput, render_outcome, render_response
 from codemode.protocol.pragma import parse_exec_source
 from codemode.protocol.types import (
@@ -79,6 +80,8 @@ class CodeModeToolHandler:
         self._clock = clock
         # Cells started here that yielded and have not ended -> the exec call id that started them.
         self._live: dict[CellId, str] = {}
+        # Live cells whose input began with a pragma line -> the lines removed (for error lines).
+        self._removed: dict[CellId, int] = {}
 
     @property
     def session(self) -> CodeModeSession:
@@ -90,14 +93,17 @@ class CodeModeToolHandler:
         """Cells this handler started that are still running, with their exec call ids."""
         return dict(self._live)
 
-    def _track_initial(self, call_id: str, response: RuntimeResponse) -> None:
+    def _track_initial(self, call_id: str, response: RuntimeResponse, removed: int) -> None:
         if isinstance(response, Yielded):
             self._live[response.cell_id] = call_id
+            if removed:
+                self._removed[response.cell_id] = removed
 
     def _track_outcome(self, cell_id: CellId, outcome: WaitOutcome) -> None:
         # Only a yield keeps a cell alive; a missing cell is gone whatever we thought.
         if isinstance(outcome, MissingCell) or not isinstance(outcome.response, Yielded):
             self._live.pop(cell_id, None)
+            self._removed.pop(cell_id, None)
 
     def _tools(self) -> list[ToolDefinition]:
         tools = self._enabled_tools
@@ -122,7 +128,8 @@ class CodeModeToolHandler:
             response = await cell.initial_response()
         except CodeModeError as error:
             return _failure(error.message)
-        self._track_initial(call_id, response)
+        self._track_initial(call_id, response, parsed.removed_lines)
+        response = in_source_lines(response, parsed.removed_lines)
         return render_response(response, self._clock() - started, parsed.max_output_tokens)
 
     async def handle_wait(self, payload: ToolPayload | str) -> RenderedOutput:
@@ -141,5 +148,6 @@ class CodeModeToolHandler:
                 outcome = await self._session.wait(request)
         except CodeModeError as error:
             return _failure(error.message)
+        outcome = outcome_in_source_lines(outcome, self._removed.get(cell_id, 0))
         self._track_outcome(cell_id, outcome)
         return render_outcome(outcome, self._clock() - started, parsed.effective_max_tokens)

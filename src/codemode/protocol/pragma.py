@@ -44,6 +44,9 @@ class ParsedExecSource:
     code: str
     yield_time_ms: int | None = None
     max_output_tokens: int | None = None
+    #: Lines removed from the top of the input (1 for the pragma line): the engine's line
+    #: numbers plus this are the lines the model wrote.
+    removed_lines: int = 0
 
 
 def _describe(value: object) -> str:
@@ -90,4 +93,6 @@ def parse_exec_source(source: str) -> ParsedExecSource:
         item = values[key]
         if item is not None and item > MAX_JS_SAFE_INTEGER:
             raise CodeModeError(_UNSAFE.format(key))
-    return ParsedExecSource(rest, values["yield_time_ms"], values["max_output_tokens"])
+    return ParsedExecSource(
+        rest, values["yield_time_ms"], values["max_output_tokens"], removed_lines=1
+    )
