@@ -1,7 +1,8 @@
 """Example tools for `codemode run examples/orchestrate.js --tools examples/tools.py`.
 
-Plain functions take the cell's one JSON argument; `@tool` functions get typed, validated
-arguments and a JSON Schema from their hints.
+Every public function is a tool: its parameters are the properties of the object a cell passes
+(typed and validated from the hints), its docstring the description and its return annotation the
+result type the model is shown. `@tool` adds a namespace, another name or a schema.
 """
 
 from __future__ import annotations
@@ -10,16 +11,17 @@ import asyncio
 import base64
 import struct
 import zlib
+from typing import Any
 
 from codemode.model import tool
 
 _WEATHER = {"paris": (18, "cloudy"), "lisbon": (24, "sunny"), "oslo": (9, "rain")}
 
 
-async def weather(args: dict[str, object]) -> dict[str, object]:
-    """Current weather for {"city": ...} (async: pretends to call a remote API)."""
+async def weather(city: str) -> dict[str, Any]:
+    """Current weather in a city (async: pretends to call a remote API)."""
     await asyncio.sleep(0.05)
-    city = str(args.get("city", "")).lower()
+    city = city.lower()
     if city not in _WEATHER:
         raise ValueError(f"unknown city {city!r}")
     temperature, sky = _WEATHER[city]
@@ -32,10 +34,8 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def bar_chart(args: dict[str, object]) -> str:
-    """A tiny PNG bar chart of {"values": [numbers]} as a data: URL."""
-    raw = args.get("values", [])
-    values = [float(v) for v in raw] if isinstance(raw, list) else []
+def bar_chart(values: list[float]) -> str:
+    """A tiny PNG bar chart of the values, as a data: URL."""
     width, height = 12 * max(1, len(values)), 40
     top = max(values, default=1.0) or 1.0
     rows = []

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from codemode.model.toolfile import load_tool_file
+from codemode.model.typescript import render_tool_declaration
 from codemode.protocol.v1.messages import OperationCancel
 from tests.wire import frame, hello, payloads
 
@@ -164,9 +166,11 @@ def test_run_plain_and_decorated_tools(tmp_path: Path) -> None:
     tools = tmp_path / "tools.py"
     tools.write_text(
         "from codemode.model import tool\n"
-        "def double(args):\n    return {'value': args['n'] * 2}\n"
-        "async def fails(args):\n    raise RuntimeError('nope')\n"
-        "@tool\ndef add(a: int, b: int) -> int:\n    'Add two numbers.'\n    return a + b\n"
+        "def double(n: int) -> dict[str, int]:\n    return {'value': n * 2}\n"
+        "async def fails():\n    raise RuntimeError('nope')\n"
+        "def add(a: int, b: int) -> int:\n    'Add two numbers.'\n    return a + b\n"
+        "@tool(namespace='math')\ndef mean(values: list[float]) -> float:\n"
+        "    return sum(values) / len(values)\n"
         "def _private(args):\n    return 1\n"
     )
     source = (
@@ -174,7 +178,8 @@ def test_run_plain_and_decorated_tools(tmp_path: Path) -> None:
         b"text(String(await tools.add({a: 1, b: 2})));"
         b"try { await tools.fails({}) } catch (e) { text(e) }"
         b"try { await tools.add({a: 'x', b: 2}) } catch (e) { text(e) }"
-        b"text(typeof tools._private)"
+        b"text(typeof tools._private);"
+        b"text(String(await tools.math__mean({values: [1, 2]})))"
     )
     result = codemode("run", "-", "--tools", str(tools), "--json", stdin=source)
     assert result.returncode == 0, result.stderr
@@ -184,6 +189,26 @@ def test_run_plain_and_decorated_tools(tmp_path: Path) -> None:
     assert texts[2] == "tool `fails` failed: RuntimeError: nope"
     assert texts[3].startswith("invalid arguments for tool `add`: ")
     assert texts[4] == "undefined"
+    assert texts[5] == "1.5"
+
+
+def test_a_tool_file_function_is_declared_by_its_hints(tmp_path: Path) -> None:
+    tools = tmp_path / "tools.py"
+    tools.write_text("def add(a: int, b: int) -> int:\n    'Add.'\n    return a + b\n")
+    (definition,) = load_tool_file(tools).definitions()
+    assert (
+        render_tool_declaration(definition)
+        == "add(args: { a: number; b: number; }): Promise<number>;"
+    )
+
+
+def test_a_tool_file_function_that_cannot_be_a_tool_is_named(tmp_path: Path) -> None:
+    tools = tmp_path / "tools.py"
+    tools.write_text("def spread(*values: int) -> int:\n    return 0\n")
+    done = codemode("run", "-", "--tools", str(tools), stdin=b"text(1)")
+    assert done.returncode == 2
+    assert b"cannot use spread of " in done.stderr
+    assert b"tool `spread`: *args parameters are not supported" in done.stderr
 
 
 def test_run_usage_errors_exit_2(tmp_path: Path) -> None:

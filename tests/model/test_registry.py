@@ -117,8 +117,9 @@ def test_function_tool_definition_from_type_hints_and_docstring() -> None:
         "required": ["a"],
         "additionalProperties": False,
     }
+    assert definition.output_schema == {"type": "integer"}  # from `-> int`
     assert render_tool_declaration(definition) == (
-        "add(args: { a: number; b?: number; }): Promise<unknown>;"
+        "add(args: { a: number; b?: number; }): Promise<number>;"
     )
 
 
@@ -154,7 +155,26 @@ def test_freeform_definition() -> None:
     assert definition.kind is CodeModeToolKind.FREEFORM
     assert definition.input_schema is None
     assert definition.description == "Patch tool"
-    assert render_tool_declaration(definition) == "patch(input: string): Promise<unknown>;"
+    assert render_tool_declaration(definition) == "patch(input: string): Promise<string>;"
+
+
+def test_a_return_annotation_without_a_schema_is_refused_with_its_tool_name() -> None:
+    with pytest.raises(TypeError, match=r"^tool `opaque`: its return annotation <class 'object'>"):
+
+        @tool
+        def opaque() -> object:
+            return object()
+
+    @tool
+    def anything() -> Any:
+        return 1
+
+    @tool
+    def nothing() -> None:
+        return None
+
+    assert anything.definition.output_schema is None
+    assert nothing.definition.output_schema is None
 
 
 def test_parameter_descriptions_and_output_schema() -> None:
@@ -360,7 +380,7 @@ async def test_non_json_results_are_rejected() -> None:
     registry = ToolRegistry()
 
     @registry.tool
-    def opaque() -> object:
+    def opaque() -> Any:
         return object()
 
     message = await rejection(registry, call("opaque"))

@@ -149,7 +149,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     run.add_argument(
         "--tools",
         metavar="PATH.py",
-        help="Python file whose public top-level functions (sync or async) become tools",
+        help="Python file whose public top-level functions (sync or async) become tools, "
+        "typed by their hints as @tool does",
     )
     run.add_argument(
         "--yield-ms", type=non_negative, metavar="N", help="yield time of each observation"

@@ -85,6 +85,20 @@ def _schema_of(annotation: object, extra_keys: object = None) -> dict[str, JSON]
     return schema
 
 
+def _result_schema(flat: str, annotation: object) -> JSON:
+    """The output schema a return annotation declares (``None`` when it declares nothing)."""
+    if annotation is Any or annotation is None or annotation is type(None):
+        return None
+    try:
+        return _schema_of(annotation)
+    except (TypeError, ValueError) as error:
+        reason = str(error).strip().splitlines()[-1]  # msgspec's last line names the type
+        raise TypeError(
+            f"tool `{flat}`: its return annotation {annotation!r} has no JSON Schema ({reason}); "
+            "annotate a JSON type (use Any for any value), or pass output_schema="
+        ) from None
+
+
 def _inline_root(root: dict[str, JSON], components: dict[str, JSON]) -> dict[str, JSON]:
     ref = root.get("$ref")
     if isinstance(ref, str) and len(root) == 1:
@@ -182,7 +196,9 @@ class Tool(Generic[P, R]):
             )
             extra = None if self._extra_keys is None else self._extra_keys.__args__[1]
             input_schema = _schema_of(self._args_type, extra)
-        if output_schema is not None and not isinstance(output_schema, dict | bool):
+        if output_schema is None:
+            output_schema = _result_schema(flat, hints.get("return", Any))
+        elif not isinstance(output_schema, dict | bool):
             output_schema = _schema_of(output_schema)  # a Python type
         doc = inspect.getdoc(function)
         self.definition = ToolDefinition(

@@ -1,9 +1,10 @@
 """Load the tools of a Python file (``codemode run --tools PATH.py``).
 
-Every public function defined at the top level of the file becomes a nested tool: a function
-decorated with :func:`~codemode.model.registry.tool` keeps its metadata (name, namespace, schema
-from its type hints); a plain function (sync or async) becomes a function tool named after it that
-is called with the cell's one JSON argument and returns a JSON value.
+Every public function defined at the top level of the file becomes a nested tool, by the one rule
+:func:`~codemode.model.registry.tool` follows: its parameters (and their type hints) are the
+properties of the object the cell passes, its docstring the description, its return annotation
+the result type the model is shown. A function decorated with ``@tool`` keeps its own metadata
+(name, namespace, schema).
 """
 
 from __future__ import annotations
@@ -11,30 +12,12 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from codemode.errors import CodeModeError
 from codemode.model.registry import NotifyCallback, Tool, ToolRegistry, tool
 
-__all__ = ["load_tool_file", "plain_tool"]
-
-
-def plain_tool(function: Callable[..., Any]) -> Tool[..., Any]:
-    """A tool that passes the cell's JSON argument (an object, ``{}`` when absent) as-is."""
-    description = inspect.getdoc(function) or ""
-    if inspect.iscoroutinefunction(function):
-
-        async def call_async(**arguments: Any) -> Any:
-            return await function(arguments)
-
-        return tool(name=function.__name__, description=description)(call_async)
-
-    def call(**arguments: Any) -> Any:
-        return function(arguments)
-
-    return tool(name=function.__name__, description=description)(call)
+__all__ = ["load_tool_file"]
 
 
 def load_tool_file(path: str | Path, *, on_notify: NotifyCallback | None = None) -> ToolRegistry:
@@ -59,8 +42,11 @@ def load_tool_file(path: str | Path, *, on_notify: NotifyCallback | None = None)
     for name, value in vars(module).items():
         if name.startswith("_"):
             continue
-        if isinstance(value, Tool):
-            registry.add(value)
-        elif inspect.isfunction(value) and value.__module__ == module_name:
-            registry.add(plain_tool(value))
+        try:
+            if isinstance(value, Tool):
+                registry.add(value)
+            elif inspect.isfunction(value) and value.__module__ == module_name:
+                registry.add(tool(value))
+        except (TypeError, ValueError) as error:
+            raise CodeModeError(f"cannot use {name} of {file} as a tool: {error}") from None
     return registry
