@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import threading
 import time
@@ -572,3 +573,30 @@ async def test_positional_only_parameters_and_context() -> None:
         return f"{context.runtime_tool_call_id}:{label}{suffix}"
 
     assert await invoke(registry, call("tag", {"label": "x"})) == "tool-1:x!"
+
+
+async def test_tool_calls_are_logged_and_failures_keep_their_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    registry = ToolRegistry()
+
+    @registry.tool
+    def explode() -> int:
+        raise ValueError("deep inside")
+
+    @registry.tool
+    def fine() -> int:
+        return 1
+
+    caplog.set_level(logging.DEBUG, logger="codemode.tools")
+    assert await invoke(registry, call("fine")) == 1
+    message = await rejection(registry, call("explode", runtime_id="tool-2"))
+    assert message == "tool `explode` failed: ValueError: deep inside"
+    records = [r for r in caplog.records if r.name == "codemode.tools"]
+    calls = [r.getMessage() for r in records if r.levelno == logging.DEBUG]
+    assert calls[0].startswith("event=tool-call tool=fine cell=1 call=tool-1 seconds=")
+    assert calls[0].endswith(" outcome=ok")
+    assert calls[1].endswith(" outcome=failed")
+    (error,) = [r for r in records if r.levelno == logging.ERROR]
+    assert error.getMessage() == "tool `explode` failed"
+    assert error.exc_info is not None and "deep inside" in str(error.exc_info[1])

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import copy
 import inspect
+import logging
 import threading
+import time
 import typing
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -40,6 +42,9 @@ __all__ = [
     "flat_tool_name",
     "tool",
 ]
+
+#: DEBUG: one record per nested call (tool, cell, duration, outcome); ERROR: a tool's traceback.
+tools_logger = logging.getLogger("codemode.tools")
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -254,6 +259,8 @@ class Tool(Generic[P, R]):
         except asyncio.CancelledError:
             raise
         except Exception as error:
+            # The cell sees one line; whoever runs the agent needs the traceback.
+            tools_logger.error("tool `%s` failed", self.definition.name, exc_info=error)
             raise CodeModeError(
                 f"tool `{self.definition.name}` failed: {type(error).__name__}: {error}"
             ) from error
@@ -433,11 +440,31 @@ class ToolRegistry(CodeModeSessionDelegate):
             runtime_tool_call_id=invocation.runtime_tool_call_id,
             cancellation=cancellation,
         )
-        return await _cancellable(
-            item.invoke(arguments, context),
-            cancellation,
-            f"tool `{item.definition.name}` was cancelled",
-        )
+        if not tools_logger.isEnabledFor(logging.DEBUG):
+            return await _cancellable(
+                item.invoke(arguments, context),
+                cancellation,
+                f"tool `{item.definition.name}` was cancelled",
+            )
+        began = time.monotonic()
+        outcome = "failed"
+        try:
+            result = await _cancellable(
+                item.invoke(arguments, context),
+                cancellation,
+                f"tool `{item.definition.name}` was cancelled",
+            )
+            outcome = "ok"
+            return result
+        finally:
+            tools_logger.debug(
+                "event=tool-call tool=%s cell=%s call=%s seconds=%.6f outcome=%s",
+                item.definition.name,
+                invocation.cell_id,
+                invocation.runtime_tool_call_id,
+                time.monotonic() - began,
+                "cancelled" if cancellation.is_cancelled() else outcome,
+            )
 
     async def notify(
         self, call_id: str, cell_id: CellId, text: str, cancellation: CancellationToken

@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 __all__ = ["Cell"]
 
 logger = logging.getLogger("codemode.runtime")
+#: One DEBUG record when a cell starts and one when it ends (with its duration and outcome).
+cells_logger = logging.getLogger("codemode.cells")
 
 #: How long terminate waits for the engine to confirm that the isolate stopped.
 STOP_TIMEOUT: Final = 2.0
@@ -126,6 +128,12 @@ class Cell:
         self._notifications: dict[asyncio.Future[None], CancellationToken] = {}
         self._stopped = asyncio.Event()
         self._closed_event = asyncio.Event()
+        self._began = time.monotonic()
+        self._outcome = "closed"
+        if cells_logger.isEnabledFor(logging.DEBUG):
+            cells_logger.debug(
+                "event=cell-start cell=%s call=%s tools=%d", cell_id, call_id, len(tools)
+            )
 
     @property
     def closed(self) -> bool:
@@ -344,6 +352,7 @@ class Cell:
             if refused is not None and error is None:
                 error = refused
         self._error_text = error
+        self._outcome = "completed" if error is None else "failed"
         self._state = _State.COMPLETED
         if self._observer is not None:
             self._deliver(self._completion())  # nobody waited for it: buffered 0
@@ -382,6 +391,7 @@ class Cell:
             except TimeoutError:
                 logger.warning("exec cell %s: the engine did not confirm the stop", self.cell_id)
         response = Terminated(self.cell_id, self._drain())
+        self._outcome = "terminated"
         self._deliver(response)
         self._close()
         return LiveCell(response)
@@ -400,6 +410,13 @@ class Cell:
             return
         self._state = _State.CLOSED
         self._closed_event.set()
+        if cells_logger.isEnabledFor(logging.DEBUG):
+            cells_logger.debug(
+                "event=cell-end cell=%s seconds=%.3f outcome=%s",
+                self.cell_id,
+                time.monotonic() - self._began,
+                self._outcome,
+            )
         self._session.forget(self)
         try:
             self._session.delegate.cell_closed(self.cell_id)
