@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -244,7 +245,7 @@ def test_host_listen_stdio_is_the_same_as_stdio() -> None:
 
 
 def test_host_other_listen_addresses_are_usage_errors() -> None:
-    for address in ("stdio://", "grpc://127.0.0.1:0", "ws://127.0.0.1", "ws://127.0.0.1:0?x=1"):
+    for address in ("stdio://", "grpc://127.0.0.1", "ws://127.0.0.1", "ws://127.0.0.1:0?x=1"):
         done = codemode("host", "--listen", address)
         assert done.returncode == 2, address
         assert done.stdout == b""
@@ -286,3 +287,27 @@ def test_error_lines_count_the_pragma_line(tmp_path: Path) -> None:
     done = codemode("run", str(cell))
     assert done.returncode == 1
     assert b"SyntaxError: Unexpected token ';' (exec_main.mjs:3:11)" in done.stdout, done.stdout
+
+
+def test_host_listens_on_grpc_until_sigterm() -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped, unused-ignore]
+
+    command = [sys.executable, "-m", "codemode", "host", "--listen", "grpc://127.0.0.1:0"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as child:
+        assert child.stdout is not None and child.stderr is not None
+        url = child.stdout.readline().decode().strip()
+        assert re.fullmatch(r"grpc://127\.0\.0\.1:\d+", url), url
+        with grpc.insecure_channel(url.removeprefix("grpc://")) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            answer = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=30) == 0
+        assert b"event=listening url=grpc://127.0.0.1:" in child.stderr.read()
+
+
+def test_host_refuses_a_public_grpc_address() -> None:
+    done = codemode("host", "--listen", "grpc://0.0.0.0:0")
+    assert done.returncode == 2
+    assert b"refusing to listen on 0.0.0.0 over gRPC" in done.stderr

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from codemode.cli.common import (
     engine_arguments,
@@ -119,6 +120,8 @@ def _host_command(args: argparse.Namespace) -> int:
     try:
         if listen == "stdio":
             return asyncio.run(_host_stdio(args))
+        if listen.startswith("grpc://"):
+            return _host_grpc_command(args, listen)
         try:
             address = WebSocketAddress.parse(listen)
             token = _host_token(args)
@@ -138,6 +141,61 @@ def _host_command(args: argparse.Namespace) -> int:
         return 130
 
 
+def _host_grpc_command(args: argparse.Namespace, listen: str) -> int:
+    host = urlsplit(listen).hostname or "127.0.0.1"
+    if not is_loopback(host) and not args.insecure:
+        print(
+            f"codemode host: refusing to listen on {host} over gRPC: it has no token or TLS "
+            "yet; give --insecure to serve anyone who can reach it",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        from codemode.host.grpc import GrpcAddress
+    except ImportError:
+        print(
+            "codemode host: gRPC needs the `grpc` extra: pip install 'codemode[grpc]'",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        GrpcAddress.parse(listen)
+    except ValueError as error:
+        print(f"codemode host: --listen {listen}: {error}", file=sys.stderr)
+        return 2
+    return asyncio.run(_host_grpc(args, listen))
+
+
+async def _host_grpc(args: argparse.Namespace, listen: str) -> int:
+    from codemode.host.grpc import GrpcHostOptions, serve_grpc
+
+    provider = local_provider(args, store_load=not args.no_store_load)
+    logging.getLogger("codemode.host").info("%s", confinement.probe().describe())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    options = GrpcHostOptions(
+        max_active_cells=args.max_active_cells,
+        max_in_flight_requests=args.max_in_flight_requests,
+    )
+    try:
+        await serve_grpc(
+            provider,
+            listen,
+            stop=stop,
+            options=options,
+            shutdown_grace=args.shutdown_grace,
+            ready=lambda url: print(url, flush=True),
+        )
+    except OSError as error:
+        print(f"codemode host: cannot listen on {listen}: {error}", file=sys.stderr)
+        return 1
+    finally:
+        await provider.aclose()
+    return 0
+
+
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``host`` command."""
     host = commands.add_parser(
@@ -149,13 +207,15 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "a clean end, 1 after a connection error. With --listen ws://ADDR:PORT[/PATH], serve "
         "WebSocket connections (single, or control + bulk) until SIGTERM/SIGINT; the first line "
         "of stdout is the control URL (PORT 0 picks a free port). A non-loopback address needs "
-        "a token (--token-file or $CODEMODE_HOST_TOKEN) unless --insecure. Status 2: bad usage.",
+        "a token (--token-file or $CODEMODE_HOST_TOKEN) unless --insecure. With --listen "
+        "grpc://ADDR:PORT, serve the codex.code_mode.v1.CodeModeHost gRPC service the same way "
+        "(loopback only unless --insecure: no token or TLS yet). Status 2: bad usage.",
     )
     host.add_argument("--stdio", action="store_true", help="serve one connection on stdin/stdout")
     host.add_argument(
         "--listen",
         metavar="ADDRESS",
-        help="`stdio` (the same as --stdio) or ws://ADDR:PORT[/PATH]",
+        help="`stdio` (the same as --stdio), ws://ADDR:PORT[/PATH] or grpc://ADDR:PORT",
     )
     host.add_argument(
         "--token-file",

@@ -144,3 +144,84 @@ def tool_result_too_large(size: int, limit: int) -> str:
         f"code-mode tool result of {size} encoded bytes exceeds the gRPC message limit of "
         f"{limit} bytes"
     )
+
+
+# -- host statuses (host side, §4.1, §6.3, §7, §8, §11, §12.1) ------------------------------------
+
+
+def unknown_session(session_id: str) -> str:
+    """§12.1 ``NOT_FOUND`` "unknown code-mode session ⟨id⟩"."""
+    return f"unknown code-mode session {session_id}"
+
+
+def invalid_session_limits(detail: str) -> str:
+    """§12.1 ``INVALID_ARGUMENT`` "invalid code-mode session execution limits: ⟨detail⟩"."""
+    return f"invalid code-mode session execution limits: {detail}"
+
+
+#: §12.1 ``FAILED_PRECONDITION`` "code-mode host cannot enforce heap limits".
+HOST_CANNOT_ENFORCE_HEAP_LIMITS: Final = "code-mode host cannot enforce heap limits"
+
+
+def execution_id_reused(execution_id: str) -> str:
+    """§12.1 ``ALREADY_EXISTS`` "code-mode execution ID `⟨id⟩` was reused"."""
+    return f"code-mode execution ID `{execution_id}` was reused"
+
+
+def wait_id_reused(wait_id: str) -> str:
+    """§8.1, §12.1 ``ALREADY_EXISTS`` "code-mode wait ID `⟨id⟩` was reused"."""
+    return f"code-mode wait ID `{wait_id}` was reused"
+
+
+def notification_already_retired(notification_id: str) -> str:
+    """§7, §12.1 ``ALREADY_EXISTS`` "code-mode notification ⟨id⟩ was already retired"."""
+    return f"code-mode notification {notification_id} was already retired"
+
+
+def unknown_notification(notification_id: str) -> str:
+    """§7, §12.1 ``NOT_FOUND`` "unknown code-mode notification ⟨id⟩"."""
+    return f"unknown code-mode notification {notification_id}"
+
+
+def unknown_invocation(invocation_id: str) -> str:
+    """§6.3, §12.1 ``NOT_FOUND`` "unknown code-mode tool invocation ⟨id⟩"."""
+    return f"unknown code-mode tool invocation {invocation_id}"
+
+
+#: §6.3 what the JS promise rejects with when a ``CompleteToolCall`` has no outcome or bad JSON.
+CLIENT_RETURNED_INVALID_TOOL_RESULT: Final = "code-mode client returned an invalid tool result"
+
+
+def invalid_tool_result(detail: str) -> str:
+    """The ``INVALID_ARGUMENT`` message of such a ``CompleteToolCall`` (this project's wording)."""
+    return f"{CLIENT_RETURNED_INVALID_TOOL_RESULT}: {detail}"
+
+
+#: ⟨detail⟩ of a ``CompleteToolCall`` without ``succeeded``/``failed`` (this project's).
+TOOL_RESULT_OMITTED_OUTCOME: Final = "the request has no outcome"
+
+
+def invalid_yield_observation_request(detail: str) -> str:
+    """``INVALID_ARGUMENT`` of a ``YieldObservation`` without ``observation`` (this project's)."""
+    return f"invalid code-mode yield observation request: {detail}"
+
+
+#: ⟨detail⟩ of a ``YieldObservation`` with no ``observation`` set (this project's).
+YIELD_OBSERVATION_OMITTED_OBSERVATION: Final = "no observation is set"
+
+#: §12.1 ``CANCELLED`` "code-mode session is closed".
+SESSION_IS_CLOSED: Final = "code-mode session is closed"
+#: §8.2, §12.1 ``CANCELLED`` "code-mode wait was cancelled".
+WAIT_WAS_CANCELLED: Final = "code-mode wait was cancelled"
+#: §5, §12.1 ``CANCELLED`` "code-mode execution was abandoned".
+EXECUTION_WAS_ABANDONED: Final = "code-mode execution was abandoned"
+#: §12.1 ``RESOURCE_EXHAUSTED`` "code-mode host has too many open sessions".
+HOST_TOO_MANY_OPEN_SESSIONS: Final = "code-mode host has too many open sessions"
+#: §11, §12.1 ``RESOURCE_EXHAUSTED`` "code-mode host has too many in-flight requests".
+HOST_TOO_MANY_IN_FLIGHT_REQUESTS: Final = "code-mode host has too many in-flight requests"
+#: §11, §12.1 ``RESOURCE_EXHAUSTED`` "code-mode host has too many active cells".
+HOST_TOO_MANY_ACTIVE_CELLS: Final = "code-mode host has too many active cells"
+#: §4.1, §12.1 ``DEADLINE_EXCEEDED`` "timed out shutting down code-mode gRPC session".
+SESSION_SHUTDOWN_TIMED_OUT: Final = "timed out shutting down code-mode gRPC session"
+#: ``UNAVAILABLE`` for new sessions and executions while the host drains (this project's).
+HOST_SHUTTING_DOWN: Final = "code-mode host is shutting down"

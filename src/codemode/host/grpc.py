@@ -1,0 +1,973 @@
+"""Serve the code-mode session API over gRPC (``grpc.md``): ``codex.code_mode.v1.CodeModeHost``.
+
+:class:`GrpcHost` is a ``grpc.aio`` server in front of a
+:class:`~codemode.session.CodeModeSessionProvider` (normally the embedded runtime). Each
+``OpenSession`` stream is a session's lease; each session gets a :class:`_HostDelegate` that turns
+the runtime's nested tool calls and notifications into ``ToolCall``\\ s on the session's
+subscriptions and ``Notification`` events on its lease, answered by ``CompleteToolCall`` /
+``AcknowledgeNotification``. Cancellation tokens of the runtime revoke them
+(``ToolCallCancelled`` / ``NotificationCancelled``). Statuses follow ``grpc.md`` §12.1.
+
+:func:`serve_grpc` runs a host until a stop event is set (the ``--listen grpc://`` command line).
+"""
+
+# ruff: noqa: E402 - grpc must be imported after GRPC_ENABLE_FORK_SUPPORT is set (below)
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import sys
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Final, NoReturn
+from urllib.parse import urlsplit
+
+# The runtime forks engine processes (with a pre-exec hook); gRPC's fork handlers make such
+# children crash while gRPC threads run. Off unless the environment says otherwise; it only
+# takes effect when this module is imported before ``grpc``.
+_GRPC_IMPORTED_FIRST: Final = "grpc" in sys.modules
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+import grpc
+from grpc import aio
+
+from codemode.errors import CodeModeError, WireConversionError
+from codemode.grpc_stubs import v1_pb2_grpc
+from codemode.protocol import strict_json
+from codemode.protocol.constants import (
+    DEFAULT_MAX_ACTIVE_CELLS,
+    DEFAULT_MAX_IN_FLIGHT_REQUESTS,
+    MAX_PENDING_DELEGATE_CALLS,
+    SHUTDOWN_TIMEOUT,
+)
+from codemode.protocol.grpc import conversions, texts
+from codemode.protocol.grpc import v1_pb2 as pb
+from codemode.protocol.grpc.constants import MAX_MESSAGE_BYTES, SERVICE_NAME
+from codemode.protocol.grpc.identifiers import check_request_identifier
+from codemode.protocol.texts import (
+    PROVIDER_DOES_NOT_SUPPORT_LIMITS,
+    SESSION_SHUTTING_DOWN,
+    TOO_MANY_CALLBACKS,
+)
+from codemode.protocol.types import (
+    JSON,
+    CellId,
+    CodeModeNestedToolCall,
+    CodeModeSessionCellExecutionLimits,
+    LiveCell,
+    WaitOutcome,
+    Yielded,
+)
+from codemode.session import (
+    CancellationToken,
+    CodeModeSession,
+    CodeModeSessionDelegate,
+    CodeModeSessionProvider,
+)
+
+__all__ = ["GrpcAddress", "GrpcHost", "GrpcHostOptions", "serve_grpc"]
+
+logger = logging.getLogger("codemode.host")
+
+Context = aio.ServicerContext[Any, Any]
+
+#: Ids remembered per session for reuse detection, cancelled waits and early yields (§3, §11).
+REMEMBERED_IDS: Final = 4096
+_SERVER_OPTIONS: Final = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+@dataclass(frozen=True, slots=True)
+class GrpcHostOptions:
+    """Admission limits (``--max-active-cells``, ``--max-in-flight-requests``) and the bound of
+    ``CloseSession`` (§4.1)."""
+
+    max_active_cells: int = DEFAULT_MAX_ACTIVE_CELLS
+    max_in_flight_requests: int = DEFAULT_MAX_IN_FLIGHT_REQUESTS
+    session_shutdown_timeout: float = SHUTDOWN_TIMEOUT
+
+
+@dataclass(frozen=True, slots=True)
+class GrpcAddress:
+    """Where to listen: ``grpc://ADDR:PORT`` (``PORT`` 0 picks a free port)."""
+
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, url: str) -> GrpcAddress:
+        """Parse a listen URL; raise :class:`ValueError` saying what is wrong with it."""
+        parts = urlsplit(url)
+        if parts.scheme != "grpc":
+            raise ValueError(f"{url}: expected grpc://ADDR:PORT")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise ValueError(f"{url}: a gRPC listen URL has no path, query or fragment")
+        if parts.username or parts.password:
+            raise ValueError(f"{url}: a listen URL has no user")
+        try:
+            port = parts.port
+        except ValueError:
+            raise ValueError(f"{url}: the port must be 0-65535") from None
+        if port is None:
+            raise ValueError(f"{url}: a port is required (0 picks a free one)")
+        return cls(parts.hostname or "127.0.0.1", port)
+
+    def bind_target(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def url(self, port: int | None = None) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"grpc://{host}:{self.port if port is None else port}"
+
+
+class _Remembered:
+    """A bounded set of ids (the oldest are forgotten first)."""
+
+    __slots__ = ("_ids",)
+
+    def __init__(self) -> None:
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def __contains__(self, value: str) -> bool:
+        return value in self._ids
+
+    def add(self, value: str) -> None:
+        self._ids[value] = None
+        self._ids.move_to_end(value)
+        while len(self._ids) > REMEMBERED_IDS:
+            self._ids.popitem(last=False)
+
+    def discard(self, value: str) -> None:
+        self._ids.pop(value, None)
+
+
+class _Status(Exception):
+    """An RPC ends with this status (raised inside, turned into ``context.abort``)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(eq=False, slots=True)
+class _Execution:
+    execution_id: str
+    cell_id: CellId | None = None
+    sequence: int = 0
+    holds_slot: bool = False
+    closed: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class _Invocation:
+    invocation_id: str
+    message: pb.ToolCall
+    name: tuple[str, str | None]
+    future: asyncio.Future[JSON]
+    delivered: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class _Subscription:
+    names: frozenset[tuple[str, str | None]]
+    queue: asyncio.Queue[_Invocation | None] = field(default_factory=asyncio.Queue)
+
+    def matches(self, name: tuple[str, str | None]) -> bool:
+        return not self.names or name in self.names
+
+
+@dataclass(eq=False, slots=True)
+class _Wait:
+    task: asyncio.Task[WaitOutcome]
+    cell_id: CellId
+    cancelled: bool = False
+    yielded: bool = False
+
+
+def _tool_key(name: str, namespace: str | None) -> tuple[str, str | None]:
+    # Namespace `functions` is the same as no namespace (§6.1).
+    return (name, None if namespace in (None, "", "functions") else namespace)
+
+
+class _Session:
+    """One gRPC session: the runtime session and everything that correlates its messages."""
+
+    def __init__(self, host: GrpcHost, session_id: str) -> None:
+        self.host = host
+        self.session_id = session_id
+        self.runtime: CodeModeSession | None = None
+        self.lease: asyncio.Queue[pb.SessionEvent | None] = asyncio.Queue()
+        self.closing = False
+        self.closed = asyncio.Event()
+        self.close_task: asyncio.Task[None] | None = None
+        self.execution_ids = _Remembered()
+        self.executions: dict[str, _Execution] = {}
+        self.cells: dict[CellId, asyncio.Future[_Execution]] = {}
+        self.invocations: dict[str, _Invocation] = {}
+        self.undelivered: list[_Invocation] = []
+        self.subscriptions: list[_Subscription] = []
+        self.round_robin = itertools.count()
+        self.notifications: dict[str, asyncio.Future[None]] = {}
+        self.retired_notifications = _Remembered()
+        self.wait_ids = _Remembered()
+        self.waits: dict[str, _Wait] = {}
+        self.cancelled_waits = _Remembered()
+        self.early_yields = _Remembered()
+        self.pending = 0  # invocations and notifications not yet finished
+
+    # -- events ---------------------------------------------------------------------------------
+
+    def send(self, event: pb.SessionEvent) -> None:
+        if not self.closed.is_set():
+            self.lease.put_nowait(event)
+
+    def cell(self, cell_id: CellId) -> asyncio.Future[_Execution]:
+        future = self.cells.get(cell_id)
+        if future is None:
+            future = self.cells[cell_id] = asyncio.get_running_loop().create_future()
+        return future
+
+    def register(self, execution: _Execution, cell_id: CellId) -> None:
+        execution.cell_id = cell_id
+        future = self.cell(cell_id)
+        if future.done():  # a cell id the runtime reused: the newest execution owns it
+            future = self.cells[cell_id] = asyncio.get_running_loop().create_future()
+        future.set_result(execution)
+
+    # -- tool calls -----------------------------------------------------------------------------
+
+    def route(self, invocation: _Invocation) -> None:
+        matching = [sub for sub in self.subscriptions if sub.matches(invocation.name)]
+        if not matching:
+            self.undelivered.append(invocation)
+            return
+        chosen = matching[next(self.round_robin) % len(matching)]
+        invocation.delivered = True
+        chosen.queue.put_nowait(invocation)
+
+    def subscribe(self, subscription: _Subscription) -> None:
+        self.subscriptions.append(subscription)
+        waiting, self.undelivered = self.undelivered, []
+        for invocation in waiting:
+            self.route(invocation)
+
+    def unsubscribe(self, subscription: _Subscription) -> None:
+        with contextlib.suppress(ValueError):
+            self.subscriptions.remove(subscription)
+        # What it did not write yet goes to another subscription (or waits for one).
+        while not subscription.queue.empty():
+            invocation = subscription.queue.get_nowait()
+            if invocation is not None and invocation.invocation_id in self.invocations:
+                invocation.delivered = False
+                self.route(invocation)
+
+    def revoke_invocation(self, invocation_id: str) -> None:
+        invocation = self.invocations.pop(invocation_id, None)
+        if invocation is None:
+            return
+        self.pending -= 1
+        with contextlib.suppress(ValueError):
+            self.undelivered.remove(invocation)
+        if invocation.delivered:
+            self.send(
+                pb.SessionEvent(
+                    tool_call_cancelled=pb.ToolCallCancelled(invocation_id=invocation_id)
+                )
+            )
+        if not invocation.future.done():
+            invocation.future.set_exception(CodeModeError(texts.SESSION_IS_CLOSED))
+            invocation.future.exception()
+
+    def revoke_notification(self, notification_id: str) -> None:
+        future = self.notifications.pop(notification_id, None)
+        if future is None:
+            return
+        self.pending -= 1
+        self.retired_notifications.add(notification_id)
+        self.send(
+            pb.SessionEvent(
+                notification_cancelled=pb.NotificationCancelled(notification_id=notification_id)
+            )
+        )
+        if not future.done():
+            future.set_result(None)
+
+    # -- the end --------------------------------------------------------------------------------
+
+    def start_close(self) -> asyncio.Task[None]:
+        if self.close_task is None:
+            self.closing = True
+            self.close_task = asyncio.ensure_future(self._close())
+            self.host._keep(self.close_task)
+        return self.close_task
+
+    async def _close(self) -> None:
+        started = time.monotonic()
+        for wait in list(self.waits.values()):
+            wait.task.cancel()
+        runtime = self.runtime
+        try:
+            if runtime is not None:
+                await runtime.shutdown()
+        except Exception:
+            logger.exception("code-mode gRPC session %s: shutdown failed", self.session_id)
+        finally:
+            for invocation_id in list(self.invocations):
+                self.revoke_invocation(invocation_id)
+            for notification_id in list(self.notifications):
+                self.revoke_notification(notification_id)
+            for execution in self.executions.values():
+                self.host._release_cell(execution)
+            for subscription in list(self.subscriptions):
+                subscription.queue.put_nowait(None)
+            self.lease.put_nowait(None)
+            self.closed.set()
+            self.host._forget(self)
+            logger.info(
+                "event=session-close session=%s seconds=%.3f",
+                self.session_id,
+                time.monotonic() - started,
+            )
+
+
+class _HostDelegate(CodeModeSessionDelegate):
+    """A session's delegate on the host: every callback goes to the gRPC client."""
+
+    def __init__(self, session: _Session) -> None:
+        self._session = session
+
+    async def invoke_tool(
+        self, invocation: CodeModeNestedToolCall, cancellation: CancellationToken
+    ) -> JSON:
+        session = self._session
+        if session.closing:
+            raise CodeModeError(texts.SESSION_IS_CLOSED)
+        if session.pending >= MAX_PENDING_DELEGATE_CALLS:
+            raise CodeModeError(TOO_MANY_CALLBACKS)
+        execution = await session.cell(invocation.cell_id)
+        if execution.closed or cancellation.is_cancelled():
+            raise CodeModeError(texts.SESSION_IS_CLOSED)
+        execution.sequence += 1
+        invocation_id = str(uuid.uuid4())
+        try:
+            message = conversions.tool_call_to_proto(
+                invocation,
+                session_id=session.session_id,
+                execution_id=execution.execution_id,
+                invocation_id=invocation_id,
+                sequence=execution.sequence,
+            )
+        except WireConversionError as error:
+            raise CodeModeError(error.message) from None
+        future: asyncio.Future[JSON] = asyncio.get_running_loop().create_future()
+        name = invocation.tool_name
+        pending = _Invocation(invocation_id, message, _tool_key(name.name, name.namespace), future)
+        session.invocations[invocation_id] = pending
+        session.pending += 1
+        session.route(pending)
+        cancellation.add_callback(lambda: session.revoke_invocation(invocation_id))
+        return await future
+
+    async def notify(
+        self, call_id: str, cell_id: CellId, text: str, cancellation: CancellationToken
+    ) -> None:
+        session = self._session
+        if session.closing:
+            return
+        if session.pending >= MAX_PENDING_DELEGATE_CALLS:
+            raise CodeModeError(TOO_MANY_CALLBACKS)
+        execution = await session.cell(cell_id)
+        if execution.closed or cancellation.is_cancelled():
+            return
+        notification_id = str(uuid.uuid4())
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        session.notifications[notification_id] = future
+        session.pending += 1
+        session.send(
+            pb.SessionEvent(
+                notification=pb.Notification(
+                    notification_id=notification_id,
+                    execution_id=execution.execution_id,
+                    cell_id=cell_id.value,
+                    call_id=call_id,
+                    text=text,
+                )
+            )
+        )
+        cancellation.add_callback(lambda: session.revoke_notification(notification_id))
+        await future
+
+    def cell_closed(self, cell_id: CellId) -> None:
+        session = self._session
+        future = session.cells.pop(cell_id, None)
+        if future is None or not future.done():
+            if future is not None:
+                future.cancel()
+            return
+        execution = future.result()
+        execution.closed = True
+        session.executions.pop(execution.execution_id, None)
+        session.host._release_cell(execution)
+        session.send(
+            pb.SessionEvent(
+                cell_closed=pb.CellClosed(
+                    execution_id=execution.execution_id,
+                    cell_id=cell_id.value,
+                    final_tool_call_sequence=execution.sequence,
+                )
+            )
+        )
+
+
+class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
+    """The ``CodeModeHost`` rpcs; every status is chosen here (§12.1)."""
+
+    def __init__(self, host: GrpcHost) -> None:
+        self._host = host
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _session(self, session_id: str, *, allow_closing: bool = False) -> _Session:
+        try:
+            check_request_identifier("session_id", session_id, uuid=True)
+        except WireConversionError as error:
+            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, error.message) from None
+        session = self._host._sessions.get(session_id)
+        if session is None:
+            raise _Status(grpc.StatusCode.NOT_FOUND, texts.unknown_session(session_id))
+        if session.closing and not allow_closing:
+            raise _Status(grpc.StatusCode.CANCELLED, texts.SESSION_IS_CLOSED)
+        return session
+
+    @staticmethod
+    def _identifier(field_name: str, value: str) -> str:
+        try:
+            return check_request_identifier(field_name, value)
+        except WireConversionError as error:
+            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, error.message) from None
+
+    @contextlib.contextmanager
+    def _in_flight(self) -> Iterator[None]:
+        host = self._host
+        if host._in_flight >= host.options.max_in_flight_requests:
+            raise _Status(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, texts.HOST_TOO_MANY_IN_FLIGHT_REQUESTS
+            )
+        host._in_flight += 1
+        try:
+            yield
+        finally:
+            host._in_flight -= 1
+
+    @staticmethod
+    def _runtime_error(session: _Session, error: CodeModeError) -> _Status:
+        if session.closing or error.message == SESSION_SHUTTING_DOWN:
+            return _Status(grpc.StatusCode.CANCELLED, texts.SESSION_IS_CLOSED)
+        if error.message.startswith("exec cell "):
+            return _Status(grpc.StatusCode.FAILED_PRECONDITION, error.message)
+        return _Status(grpc.StatusCode.INTERNAL, error.message)
+
+    @staticmethod
+    async def _abort(context: Context, status: _Status) -> NoReturn:
+        await context.abort(status.code, status.message)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # -- the lease ------------------------------------------------------------------------------
+
+    async def OpenSession(
+        self, request: pb.OpenSessionRequest, context: Context
+    ) -> AsyncIterator[pb.SessionEvent]:
+        host = self._host
+        limits = CodeModeSessionCellExecutionLimits()
+        if request.HasField("cell_execution_limits"):
+            limits = conversions.limits_to_domain(request.cell_execution_limits)
+        if host._stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, texts.HOST_SHUTTING_DOWN)
+        session = _Session(host, str(uuid.uuid4()))
+        try:
+            runtime = await host.provider.create_session_with_limits(_HostDelegate(session), limits)
+        except CodeModeError as error:
+            if error.message.startswith(texts.invalid_session_limits("")):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error.message)
+            if error.message == PROVIDER_DOES_NOT_SUPPORT_LIMITS and (
+                limits.max_heap_size_bytes is not None
+            ):
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION, texts.HOST_CANNOT_ENFORCE_HEAP_LIMITS
+                )
+            if error.message == PROVIDER_DOES_NOT_SUPPORT_LIMITS:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, texts.invalid_session_limits(error.message)
+                )
+            await context.abort(grpc.StatusCode.UNAVAILABLE, error.message)
+        session.runtime = runtime
+        host._sessions[session.session_id] = session
+        logger.info("event=session-open session=%s peer=%s", session.session_id, context.peer())
+        try:
+            yield pb.SessionEvent(opened=pb.SessionOpened(session_id=session.session_id))
+            while True:
+                event = await session.lease.get()
+                if event is None:
+                    return
+                yield event
+        finally:
+            # Dropped lease (cancelled, disconnected) or an orderly close: the session ends.
+            session.start_close()
+
+    async def CloseSession(
+        self, request: pb.CloseSessionRequest, context: Context
+    ) -> pb.CloseSessionResponse:
+        try:
+            with self._in_flight():
+                session = self._session(request.session_id, allow_closing=True)
+                closing = session.start_close()
+                try:
+                    async with asyncio.timeout(self._host.options.session_shutdown_timeout):
+                        await asyncio.shield(closing)
+                except TimeoutError:
+                    raise _Status(
+                        grpc.StatusCode.DEADLINE_EXCEEDED, texts.SESSION_SHUTDOWN_TIMED_OUT
+                    ) from None
+        except _Status as status:
+            await self._abort(context, status)
+        return pb.CloseSessionResponse()
+
+    # -- tool calls -----------------------------------------------------------------------------
+
+    async def SubscribeToToolCalls(
+        self, request: pb.SubscribeToToolCallsRequest, context: Context
+    ) -> AsyncIterator[pb.ToolCall]:
+        try:
+            session = self._session(request.session_id)
+        except _Status as status:
+            await self._abort(context, status)
+        names = frozenset(
+            _tool_key(name.name, name.namespace if name.HasField("namespace") else None)
+            for name in request.tool_names
+        )
+        subscription = _Subscription(names)
+        session.subscribe(subscription)
+        try:
+            while True:
+                invocation = await subscription.queue.get()
+                if invocation is None:
+                    return
+                if invocation.invocation_id in session.invocations:
+                    yield invocation.message
+        finally:
+            session.unsubscribe(subscription)
+
+    async def CompleteToolCall(
+        self, request: pb.CompleteToolCallRequest, context: Context
+    ) -> pb.CompleteToolCallResponse:
+        try:
+            with self._in_flight():
+                session = self._session(request.session_id)
+                invocation_id = self._identifier("invocation_id", request.invocation_id)
+                invocation = session.invocations.pop(invocation_id, None)
+                if invocation is None:
+                    raise _Status(
+                        grpc.StatusCode.NOT_FOUND, texts.unknown_invocation(invocation_id)
+                    )
+                session.pending -= 1
+                future = invocation.future
+                outcome = request.WhichOneof("outcome")
+                if outcome == "succeeded":
+                    try:
+                        value = strict_json.loads(request.succeeded.output_json)
+                    except strict_json.JSONError as error:
+                        future.set_exception(
+                            CodeModeError(texts.CLIENT_RETURNED_INVALID_TOOL_RESULT)
+                        )
+                        raise _Status(
+                            grpc.StatusCode.INVALID_ARGUMENT, texts.invalid_tool_result(str(error))
+                        ) from None
+                    future.set_result(value)
+                elif outcome == "failed":
+                    future.set_exception(CodeModeError(request.failed.message))
+                else:
+                    future.set_exception(CodeModeError(texts.CLIENT_RETURNED_INVALID_TOOL_RESULT))
+                    raise _Status(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        texts.invalid_tool_result(texts.TOOL_RESULT_OMITTED_OUTCOME),
+                    )
+        except _Status as status:
+            await self._abort(context, status)
+        return pb.CompleteToolCallResponse()
+
+    async def AcknowledgeNotification(
+        self, request: pb.AcknowledgeNotificationRequest, context: Context
+    ) -> pb.AcknowledgeNotificationResponse:
+        try:
+            with self._in_flight():
+                session = self._session(request.session_id)
+                notification_id = self._identifier("notification_id", request.notification_id)
+                future = session.notifications.pop(notification_id, None)
+                if future is None:
+                    if notification_id in session.retired_notifications:
+                        raise _Status(
+                            grpc.StatusCode.ALREADY_EXISTS,
+                            texts.notification_already_retired(notification_id),
+                        )
+                    raise _Status(
+                        grpc.StatusCode.NOT_FOUND, texts.unknown_notification(notification_id)
+                    )
+                session.pending -= 1
+                session.retired_notifications.add(notification_id)
+                if not future.done():
+                    future.set_result(None)
+        except _Status as status:
+            await self._abort(context, status)
+        return pb.AcknowledgeNotificationResponse()
+
+    # -- executions -----------------------------------------------------------------------------
+
+    async def Execute(
+        self, request: pb.ExecuteRequest, context: Context
+    ) -> AsyncIterator[pb.ExecuteEvent]:
+        received = time.monotonic_ns()
+        host = self._host
+        try:
+            with self._in_flight():
+                session = self._session(request.session_id)
+                execution_id = self._identifier("execution_id", request.execution_id)
+                try:
+                    domain = conversions.execute_request_to_domain(request)
+                except WireConversionError as error:
+                    raise _Status(grpc.StatusCode.INVALID_ARGUMENT, error.message) from None
+                if execution_id in session.execution_ids or execution_id in session.executions:
+                    raise _Status(
+                        grpc.StatusCode.ALREADY_EXISTS, texts.execution_id_reused(execution_id)
+                    )
+                if host._stopping:
+                    raise _Status(grpc.StatusCode.UNAVAILABLE, texts.HOST_SHUTTING_DOWN)
+                if host._active_cells >= host.options.max_active_cells:
+                    raise _Status(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED, texts.HOST_TOO_MANY_ACTIVE_CELLS
+                    )
+                session.execution_ids.add(execution_id)
+                execution = _Execution(execution_id, holds_slot=True)
+                host._active_cells += 1
+                session.executions[execution_id] = execution
+                runtime = session.runtime
+                assert runtime is not None
+                admitted = False
+                try:
+                    started = await runtime.execute(domain)
+                    admitted = True
+                except CodeModeError as error:
+                    raise self._runtime_error(session, error) from None
+                finally:
+                    if not admitted:
+                        session.executions.pop(execution_id, None)
+                        host._release_cell(execution)
+                session.register(execution, started.cell_id)
+                try:
+                    yield pb.ExecuteEvent(
+                        started=pb.ExecutionStarted(
+                            execution_id=execution_id, cell_id=started.cell_id.value
+                        )
+                    )
+                    try:
+                        response = await started.initial_response()
+                    except CodeModeError as error:
+                        raise self._runtime_error(session, error) from None
+                except BaseException:
+                    started.cancel()  # abandoned (or failed): the cell is terminated
+                    raise
+                duration = time.monotonic_ns() - received
+                yield pb.ExecuteEvent(
+                    outcome=conversions.runtime_response_to_proto(response, duration)
+                )
+        except _Status as status:
+            await self._abort(context, status)
+
+    async def Wait(self, request: pb.WaitRequest, context: Context) -> pb.WaitResponse:
+        received = time.monotonic_ns()
+        try:
+            with self._in_flight():
+                session = self._session(request.session_id)
+                wait_id = self._identifier("wait_id", request.wait_id)
+                try:
+                    domain = conversions.wait_request_to_domain(request)
+                except WireConversionError as error:
+                    raise _Status(grpc.StatusCode.INVALID_ARGUMENT, error.message) from None
+                if wait_id in session.wait_ids or wait_id in session.waits:
+                    raise _Status(grpc.StatusCode.ALREADY_EXISTS, texts.wait_id_reused(wait_id))
+                session.wait_ids.add(wait_id)
+                if wait_id in session.cancelled_waits:
+                    session.cancelled_waits.discard(wait_id)
+                    raise _Status(grpc.StatusCode.CANCELLED, texts.WAIT_WAS_CANCELLED)
+                runtime = session.runtime
+                assert runtime is not None
+                task = asyncio.ensure_future(runtime.wait(domain))
+                wait = _Wait(task, domain.cell_id)
+                session.waits[wait_id] = wait
+                try:
+                    if wait_id in session.early_yields:
+                        session.early_yields.discard(wait_id)
+                        await asyncio.sleep(0)  # attach, then yield at once
+                        if not task.done():
+                            wait.yielded = True
+                            task.cancel()
+                    try:
+                        await asyncio.wait((task,))
+                    except asyncio.CancelledError:
+                        task.cancel()  # the transport cancelled the Wait: detach
+                        raise
+                finally:
+                    session.waits.pop(wait_id, None)
+                outcome = self._wait_outcome(session, wait, task)
+        except _Status as status:
+            await self._abort(context, status)
+        return conversions.wait_outcome_to_proto(outcome, time.monotonic_ns() - received)
+
+    def _wait_outcome(
+        self, session: _Session, wait: _Wait, task: asyncio.Task[WaitOutcome]
+    ) -> WaitOutcome:
+        if wait.cancelled:
+            raise _Status(grpc.StatusCode.CANCELLED, texts.WAIT_WAS_CANCELLED)
+        if task.cancelled():
+            if session.closing or not wait.yielded:
+                raise _Status(grpc.StatusCode.CANCELLED, texts.SESSION_IS_CLOSED)
+            # Ended early by YieldObservation: what the cell produced so far stays buffered
+            # for its next observation (the runtime offers no early end of an observation).
+            return LiveCell(Yielded(wait.cell_id, []))
+        error = task.exception()
+        if isinstance(error, CodeModeError):
+            raise self._runtime_error(session, error)
+        return task.result()
+
+    async def YieldObservation(
+        self, request: pb.YieldObservationRequest, context: Context
+    ) -> pb.YieldObservationResponse:
+        try:
+            with self._in_flight():
+                session = self._session(request.session_id)
+                which = request.WhichOneof("observation")
+                if which is None:
+                    raise _Status(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        texts.invalid_yield_observation_request(
+                            texts.YIELD_OBSERVATION_OMITTED_OBSERVATION
+                        ),
+                    )
+                if which == "wait_id":
+                    wait_id = self._identifier("wait_id", request.wait_id)
+                    wait = session.waits.get(wait_id)
+                    if wait is not None:
+                        if not wait.task.done():
+                            wait.yielded = True
+                            wait.task.cancel()
+                    elif wait_id not in session.wait_ids:
+                        session.early_yields.add(wait_id)
+                else:
+                    # The initial observation of an Execute cannot be ended early through the
+                    # session API (StartedCell offers only abandonment): accepted, no effect.
+                    self._identifier("execution_id", request.execution_id)
+        except _Status as status:
+            await self._abort(context, status)
+        return pb.YieldObservationResponse()
+
+    async def CancelWait(
+        self, request: pb.CancelWaitRequest, context: Context
+    ) -> pb.CancelWaitResponse:
+        try:
+            with self._in_flight():
+                session = self._session(request.session_id)
+                wait_id = self._identifier("wait_id", request.wait_id)
+                wait = session.waits.get(wait_id)
+                if wait is not None:
+                    if not wait.task.done():
+                        wait.cancelled = True
+                        wait.task.cancel()
+                    # The observer retires when its task ends (it detaches on cancellation).
+                    await asyncio.wait((wait.task,))
+                elif wait_id not in session.wait_ids:
+                    session.cancelled_waits.add(wait_id)
+        except _Status as status:
+            await self._abort(context, status)
+        return pb.CancelWaitResponse()
+
+    async def Terminate(self, request: pb.TerminateRequest, context: Context) -> pb.WaitResponse:
+        received = time.monotonic_ns()
+        try:
+            with self._in_flight():
+                session = self._session(request.session_id)
+                cell_id = CellId(self._identifier("cell_id", request.cell_id))
+                runtime = session.runtime
+                assert runtime is not None
+                try:
+                    outcome = await runtime.terminate(cell_id)
+                except CodeModeError as error:
+                    raise self._runtime_error(session, error) from None
+        except _Status as status:
+            await self._abort(context, status)
+        return conversions.wait_outcome_to_proto(outcome, time.monotonic_ns() - received)
+
+
+class GrpcHost:
+    """Serves a session provider as ``codex.code_mode.v1.CodeModeHost`` on a ``grpc.aio`` server.
+
+    Use :meth:`start`, then :meth:`shutdown` (graceful) or :meth:`aclose`. ``address`` is a
+    :class:`GrpcAddress` or a ``grpc://ADDR:PORT`` URL.
+    """
+
+    def __init__(
+        self,
+        provider: CodeModeSessionProvider,
+        address: GrpcAddress | str = "grpc://127.0.0.1:0",
+        *,
+        options: GrpcHostOptions | None = None,
+        health: bool = True,
+    ) -> None:
+        self.provider = provider
+        self.options = options or GrpcHostOptions()
+        self._address = GrpcAddress.parse(address) if isinstance(address, str) else address
+        self._port = self._address.port
+        self._server: aio.Server | None = None
+        self._sessions: dict[str, _Session] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._in_flight = 0
+        self._active_cells = 0
+        self._stopping = False
+        self._health_enabled = health
+        self._health: Any = None
+
+    @property
+    def url(self) -> str:
+        """``grpc://ADDR:PORT`` (with the bound port once started)."""
+        return self._address.url(self._port)
+
+    @property
+    def active_cells(self) -> int:
+        """Cells admitted and not yet closed, over every session."""
+        return self._active_cells
+
+    @property
+    def sessions(self) -> int:
+        """Open sessions."""
+        return len(self._sessions)
+
+    async def start(self) -> str:
+        """Bind and start serving; returns ``grpc://ADDR:PORT``."""
+        if _GRPC_IMPORTED_FIRST and os.environ.get("GRPC_ENABLE_FORK_SUPPORT") != "false":
+            logger.warning(
+                "grpc was imported before codemode.host.grpc: set GRPC_ENABLE_FORK_SUPPORT=false, "
+                "or engine processes may crash while they start"
+            )
+        server = aio.server(options=_SERVER_OPTIONS)
+        v1_pb2_grpc.add_CodeModeHostServicer_to_server(_Servicer(self), server)
+        if self._health_enabled:
+            self._health = _add_health(server)
+        try:
+            port = server.add_insecure_port(self._address.bind_target())
+        except RuntimeError as error:  # grpc reports a failed bind this way
+            raise OSError(f"cannot listen on {self._address.url()}: {error}") from None
+        if port == 0:
+            raise OSError(f"cannot listen on {self._address.url()}")
+        await server.start()
+        self._server = server
+        self._port = port
+        if self._health is not None:
+            for service in ("", SERVICE_NAME):
+                await self._health.set(service, _SERVING)
+        logger.info("event=listening url=%s", self.url)
+        return self.url
+
+    def _keep(self, task: asyncio.Task[Any]) -> None:
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
+
+    def _forget(self, session: _Session) -> None:
+        if self._sessions.get(session.session_id) is session:
+            del self._sessions[session.session_id]
+
+    def _release_cell(self, execution: _Execution) -> None:
+        if execution.holds_slot:
+            execution.holds_slot = False
+            self._active_cells -= 1
+
+    async def _stop_admitting(self) -> None:
+        self._stopping = True
+        if self._health is not None:
+            for service in ("", SERVICE_NAME):
+                await self._health.set(service, _NOT_SERVING)
+
+    async def shutdown(self, grace: float) -> None:
+        """Stop admitting (health ``NOT_SERVING``; new sessions and executions are
+        ``UNAVAILABLE``), give running cells up to ``grace`` seconds, then close everything."""
+        await self._stop_admitting()
+        deadline = time.monotonic() + grace
+        while self._active_cells and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close every session (terminating its cells) and stop the server."""
+        await self._stop_admitting()
+        closing = [session.start_close() for session in list(self._sessions.values())]
+        if closing:
+            await asyncio.wait(closing, timeout=self.options.session_shutdown_timeout)
+        server = self._server
+        if server is not None:
+            self._server = None
+            await server.stop(0.5)
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=1.0)
+
+
+_SERVING: Final = 1  # grpc.health.v1.HealthCheckResponse.SERVING
+_NOT_SERVING: Final = 2
+
+
+def _add_health(server: aio.Server) -> Any:
+    """Serve ``grpc.health.v1.Health`` when ``grpcio-health-checking`` is installed."""
+    try:
+        from grpc_health.v1 import (  # type: ignore[import-untyped, unused-ignore]
+            health_pb2_grpc,
+        )
+        from grpc_health.v1.health import (  # type: ignore[import-untyped, unused-ignore]
+            aio as health_aio,
+        )
+    except ImportError:
+        logger.info("grpcio-health-checking is not installed: no grpc.health.v1 service")
+        return None
+    servicer = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    return servicer
+
+
+async def serve_grpc(
+    provider: CodeModeSessionProvider,
+    listen: str,
+    *,
+    stop: asyncio.Event,
+    options: GrpcHostOptions | None = None,
+    shutdown_grace: float = 0.0,
+    ready: Callable[[str], object] | None = None,
+) -> None:
+    """Serve ``provider`` on ``listen`` (``grpc://ADDR:PORT``) until ``stop`` is set, then shut
+    down gracefully. ``ready(url)`` is called once bound (the CLI prints it as stdout's first
+    line). Raises :class:`ValueError` for a bad URL and :class:`OSError` when it cannot bind."""
+    host = GrpcHost(provider, GrpcAddress.parse(listen), options=options)
+    try:
+        url = await host.start()
+        if ready is not None:
+            ready(url)
+        await stop.wait()
+        logger.info("event=shutting-down grace=%s", shutdown_grace)
+        await host.shutdown(shutdown_grace)
+    finally:
+        await host.aclose()
