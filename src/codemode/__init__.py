@@ -3,6 +3,8 @@
 Run model-written JavaScript cells that call your tools back, in process or on a remote host.
 """
 
+import logging
+
 from codemode.errors import (
     CodeModeError,
     ConnectionClosed,
@@ -47,6 +49,10 @@ from codemode.session import (
 )
 
 __version__ = "0.1.0"
+
+# A library logs only where its application configures logging: without this handler Python's
+# last-resort handler would print codemode's warnings and tracebacks to stderr.
+logging.getLogger("codemode").addHandler(logging.NullHandler())
 
 __all__ = [
     "CancellationToken",

@@ -661,7 +661,7 @@ async def test_invalid_limits_are_refused(stub: Stub) -> None:
     )
     error = await _status(stub.OpenSession(request).read())
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert error.details().startswith(texts.invalid_session_limits(""))
+    assert (error.details() or "").startswith(texts.invalid_session_limits(""))
 
 
 class _NoLimits(CodeModeSessionProvider):

@@ -2,7 +2,9 @@
 a Python tool registry that serves nested calls (``runtime.md`` §4.4, §15) and :class:`CodeMode`,
 the one object an agent loop needs."""
 
-from codemode.model.codemode import CodeMode
+from codemode.model.anthropic import AnthropicMessages
+from codemode.model.chat_completions import ChatCompletions, ChatReply
+from codemode.model.codemode import EXEC_CODE_ARGUMENT, CodeMode, exec_code_parameters
 from codemode.model.exec_tool import (
     EXEC_GRAMMAR,
     NamespaceDescription,
@@ -35,7 +37,11 @@ from codemode.model.typescript import (
 )
 
 __all__ = [
+    "EXEC_CODE_ARGUMENT",
     "EXEC_GRAMMAR",
+    "AnthropicMessages",
+    "ChatCompletions",
+    "ChatReply",
     "CodeMode",
     "CodeModeToolHandler",
     "CustomToolInput",
@@ -49,6 +55,7 @@ __all__ = [
     "build_exec_description",
     "build_wait_description",
     "estimate_tokens",
+    "exec_code_parameters",
     "exec_tool_spec",
     "flat_tool_name",
     "normalize_identifier",

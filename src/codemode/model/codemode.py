@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from codemode.errors import CodeModeError
 from codemode.model.exec_tool import build_exec_description, exec_tool_spec, wait_tool_spec
@@ -43,7 +44,11 @@ from codemode.session import (
     CodeModeSessionProvider,
 )
 
-__all__ = ["CodeMode"]
+if TYPE_CHECKING:
+    from codemode.model.anthropic import AnthropicMessages
+    from codemode.model.chat_completions import ChatCompletions
+
+__all__ = ["EXEC_CODE_ARGUMENT", "CodeMode", "exec_code_parameters"]
 
 _CUSTOM_CALL: Final = "custom_tool_call"
 _FUNCTION_CALL: Final = "function_call"
@@ -51,6 +56,57 @@ _OUTPUT_TYPES: Final = {
     _CUSTOM_CALL: "custom_tool_call_output",
     _FUNCTION_CALL: "function_call_output",
 }
+
+
+#: The argument carrying the JavaScript source where ``exec`` is a JSON function tool (Chat
+#: Completions, Anthropic Messages), i.e. where the API has no freeform tools.
+EXEC_CODE_ARGUMENT: Final = "code"
+
+# The exec description is written for a freeform tool; a JSON function tool takes the source in
+# one string argument, so the freeform-only sentences are rewritten (checked by the tests).
+_FREEFORM_SENTENCE: Final = (
+    "- Send raw JavaScript source text: not JSON, not a quoted string, not a markdown code fence."
+)
+_FUNCTION_SENTENCE: Final = (
+    f"- Put the JavaScript source text in the `{EXEC_CODE_ARGUMENT}` string argument: plain "
+    "source, not a markdown code fence."
+)
+_FREEFORM_NOTIFY: Final = "injects an extra `custom_tool_call_output` for the current `exec` call"
+_FUNCTION_NOTIFY: Final = "reports a progress message for the current `exec` call to the agent"
+
+
+def exec_code_parameters() -> dict[str, JSON]:
+    """The JSON Schema of ``exec`` as a function tool: one required string, the source."""
+    return {
+        "type": "object",
+        "properties": {
+            EXEC_CODE_ARGUMENT: {
+                "type": "string",
+                "description": (
+                    "The JavaScript source to run, optionally starting with a "
+                    "`// @exec: {...}` pragma line."
+                ),
+            }
+        },
+        "required": [EXEC_CODE_ARGUMENT],
+        "additionalProperties": False,
+    }
+
+
+def _exec_code(arguments: object) -> str:
+    """The source in ``exec`` function arguments (JSON text or a mapping), or a failure text."""
+    if isinstance(arguments, str | bytes):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError as error:
+            raise CodeModeError(f"failed to parse function arguments: {error}") from None
+    code = arguments.get(EXEC_CODE_ARGUMENT) if isinstance(arguments, Mapping) else None
+    if not isinstance(code, str):
+        raise CodeModeError(
+            f"failed to parse function arguments: expected an object with a string "
+            f"`{EXEC_CODE_ARGUMENT}`"
+        )
+    return code
 
 
 def _shut_down() -> RenderedOutput:
@@ -209,8 +265,37 @@ class CodeMode:
 
     @staticmethod
     def handles(call: object) -> bool:
-        """True for a model tool call (mapping or SDK object) named ``exec`` or ``wait``."""
-        return _field(call, "name") in (PUBLIC_TOOL_NAME, WAIT_TOOL_NAME)
+        """True for a Responses ``custom_tool_call``/``function_call`` named ``exec`` or ``wait``.
+
+        Items of other APIs (a Chat Completions tool call, an Anthropic ``tool_use`` block) are
+        not claimed: see :attr:`chat_completions` and :attr:`anthropic`.
+        """
+        return _field(call, "type") in _OUTPUT_TYPES and _field(call, "name") in (
+            PUBLIC_TOOL_NAME,
+            WAIT_TOOL_NAME,
+        )
+
+    @property
+    def chat_completions(self) -> ChatCompletions:
+        """The tools, call recognition and replies in the OpenAI Chat Completions shape."""
+        from codemode.model.chat_completions import ChatCompletions
+
+        return ChatCompletions(self)
+
+    @property
+    def anthropic(self) -> AnthropicMessages:
+        """The tools, call recognition and replies in the Anthropic Messages shape."""
+        from codemode.model.anthropic import AnthropicMessages
+
+        return AnthropicMessages(self)
+
+    def exec_function_description(self) -> str:
+        """The ``exec`` description for APIs where exec is a JSON function tool (``code``)."""
+        return (
+            self.exec_description()
+            .replace(_FREEFORM_SENTENCE, _FUNCTION_SENTENCE)
+            .replace(_FREEFORM_NOTIFY, _FUNCTION_NOTIFY)
+        )
 
     async def handle(self, call: object) -> dict[str, JSON]:
         """Run one ``exec``/``wait`` call and return its output item for the next model turn.
@@ -243,6 +328,16 @@ class CodeMode:
         if handler is None:
             return _shut_down()
         return await handler.handle_exec(call_id, payload)
+
+    async def handle_exec_arguments(self, call_id: str, arguments: object) -> RenderedOutput:
+        """Run ``exec`` given as a function call: ``arguments`` is the JSON text or a mapping
+        with the source under :data:`EXEC_CODE_ARGUMENT`; bad arguments come back as a failure
+        text for the model, like bad ``wait`` arguments."""
+        try:
+            code = _exec_code(arguments)
+        except CodeModeError as error:
+            return RenderedOutput([InputText(error.message)], success=False)
+        return await self.handle_exec(call_id, code)
 
     async def handle_wait(self, payload: ToolPayload | str) -> RenderedOutput:
         """Run a ``wait`` call (JSON argument text or payload) and render its outcome."""
