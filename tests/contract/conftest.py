@@ -228,7 +228,58 @@ def _stop_websocket_hosts() -> Iterator[None]:
             process.wait()
 
 
+class GrpcHarness(ProviderHarness):
+    """Sessions on a ``codemode host --listen grpc://127.0.0.1:0`` child over one gRPC channel.
+
+    One host process serves the whole test run (each test gets its own provider, so its own
+    channel); see :func:`grpc_host`.
+    """
+
+    name = "grpc"
+
+    def provider(self, store_load: bool) -> CodeModeSessionProvider:
+        from codemode.client.grpc import GrpcCodeModeSessionProvider
+
+        return GrpcCodeModeSessionProvider(grpc_host(store_load))
+
+
+_GRPC_HOSTS: dict[bool, tuple[subprocess.Popen[bytes], str]] = {}
+
+
+def grpc_host(store_load: bool) -> str:
+    """The target of the shared gRPC host (started on first use)."""
+    running = _GRPC_HOSTS.get(store_load)
+    if running is not None and running[0].poll() is None:
+        return running[1]
+    command = [sys.executable, "-m", "codemode", "host", "--listen", "grpc://127.0.0.1:0"]
+    if not store_load:
+        command.append("--no-store-load")
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert process.stdout is not None
+    url = process.stdout.readline().decode().strip()
+    assert url.startswith("grpc://127.0.0.1:"), url
+    _GRPC_HOSTS[store_load] = (process, url)
+    return url
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_grpc_hosts() -> Iterator[None]:
+    yield
+    for process, _ in _GRPC_HOSTS.values():
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+#: Tests the ``grpc`` carrier cannot pass yet (test id → why): strict xfails on that carrier.
+GRPC_GAPS: dict[str, str] = {}
+
+
 IMPLEMENTATIONS: dict[str, type[Harness]] = {
+    "grpc": GrpcHarness,
     "embedded": EmbeddedHarness,
     "stdio": StdioHarness,
     "stdio-latest": StdioLatestHarness,
@@ -334,6 +385,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = kept
     for item in items:
         callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("harness") == "grpc":
+            gap = GRPC_GAPS.get(item.name)
+            if gap is not None:
+                item.add_marker(pytest.mark.xfail(reason=gap, strict=True))
+            continue
         if callspec is None or callspec.params.get("harness") not in UPSTREAM_CARRIERS:
             continue
         name = item.name

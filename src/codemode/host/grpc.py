@@ -41,6 +41,7 @@ from codemode.errors import CodeModeError, WireConversionError
 from codemode.grpc_stubs import v1_pb2_grpc
 from codemode.protocol import strict_json
 from codemode.protocol.constants import (
+    CALLBACK_GRACE,
     DEFAULT_MAX_ACTIVE_CELLS,
     DEFAULT_MAX_IN_FLIGHT_REQUESTS,
     MAX_PENDING_DELEGATE_CALLS,
@@ -271,7 +272,10 @@ class _Session:
                 invocation.delivered = False
                 self.route(invocation)
 
-    def revoke_invocation(self, invocation_id: str) -> None:
+    def revoke_invocation(self, invocation_id: str, *, grace: bool = False) -> None:
+        """The host no longer wants ``invocation_id``. With ``grace`` (the runtime revoked it)
+        the call counts as finished only after the runtime's grace, as a local delegate's would:
+        a client that ignores the cancellation delays a termination the same on every carrier."""
         invocation = self.invocations.pop(invocation_id, None)
         if invocation is None:
             return
@@ -284,11 +288,10 @@ class _Session:
                     tool_call_cancelled=pb.ToolCallCancelled(invocation_id=invocation_id)
                 )
             )
-        if not invocation.future.done():
-            invocation.future.set_exception(CodeModeError(texts.SESSION_IS_CLOSED))
-            invocation.future.exception()
+        _settle_later(invocation.future, CodeModeError(texts.SESSION_IS_CLOSED), grace)
 
-    def revoke_notification(self, notification_id: str) -> None:
+    def revoke_notification(self, notification_id: str, *, grace: bool = False) -> None:
+        """The host no longer waits for ``notification_id`` (``grace`` as for invocations)."""
         future = self.notifications.pop(notification_id, None)
         if future is None:
             return
@@ -299,8 +302,7 @@ class _Session:
                 notification_cancelled=pb.NotificationCancelled(notification_id=notification_id)
             )
         )
-        if not future.done():
-            future.set_result(None)
+        _settle_later(future, None, grace)
 
     # -- the end --------------------------------------------------------------------------------
 
@@ -340,6 +342,24 @@ class _Session:
             )
 
 
+def _settle_later(future: asyncio.Future[Any], outcome: object, grace: bool) -> None:
+    """End a revoked callback's wait: at once, or after the runtime's grace."""
+
+    def settle() -> None:
+        if future.done():
+            return
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+            future.exception()
+        else:
+            future.set_result(outcome)
+
+    if grace:
+        asyncio.get_running_loop().call_later(CALLBACK_GRACE, settle)
+    else:
+        settle()
+
+
 class _HostDelegate(CodeModeSessionDelegate):
     """A session's delegate on the host: every callback goes to the gRPC client."""
 
@@ -375,7 +395,7 @@ class _HostDelegate(CodeModeSessionDelegate):
         session.invocations[invocation_id] = pending
         session.pending += 1
         session.route(pending)
-        cancellation.add_callback(lambda: session.revoke_invocation(invocation_id))
+        cancellation.add_callback(lambda: session.revoke_invocation(invocation_id, grace=True))
         return await future
 
     async def notify(
@@ -404,7 +424,7 @@ class _HostDelegate(CodeModeSessionDelegate):
                 )
             )
         )
-        cancellation.add_callback(lambda: session.revoke_notification(notification_id))
+        cancellation.add_callback(lambda: session.revoke_notification(notification_id, grace=True))
         await future
 
     def cell_closed(self, cell_id: CellId) -> None:

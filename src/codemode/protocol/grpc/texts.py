@@ -225,3 +225,131 @@ HOST_TOO_MANY_ACTIVE_CELLS: Final = "code-mode host has too many active cells"
 SESSION_SHUTDOWN_TIMED_OUT: Final = "timed out shutting down code-mode gRPC session"
 #: ``UNAVAILABLE`` for new sessions and executions while the host drains (this project's).
 HOST_SHUTTING_DOWN: Final = "code-mode host is shutting down"
+
+# -- the client (client side, §4, §5, §6, §7, §12.2, §13) ---------------------------------------------
+
+#: §13.2 "gRPC code-mode session lease ended before opening".
+LEASE_ENDED_BEFORE_OPENING: Final = "gRPC code-mode session lease ended before opening"
+#: §13.2 "gRPC code-mode session lease omitted its opening event".
+LEASE_OMITTED_OPENING: Final = "gRPC code-mode session lease omitted its opening event"
+#: §4.2 "gRPC code-mode host repeated the session opening event" (fails the session).
+LEASE_REPEATED_OPENING: Final = "gRPC code-mode host repeated the session opening event"
+#: §4.2 "gRPC code-mode host sent an empty session event" (fails the session).
+LEASE_EMPTY_EVENT: Final = "gRPC code-mode host sent an empty session event"
+#: §4.1, §13.7: the lease ended while the client did not ask for shutdown (this project's wording,
+#: the twin of the subscription's §6.1 text).
+LEASE_CLOSED_UNEXPECTEDLY: Final = "gRPC code-mode session lease closed unexpectedly"
+#: §6.1 "gRPC code-mode tool subscription closed unexpectedly".
+SUBSCRIPTION_CLOSED_UNEXPECTEDLY: Final = "gRPC code-mode tool subscription closed unexpectedly"
+#: §13.7 a later call on a stopped session with no recorded reason.
+GRPC_SESSION_IS_CLOSED: Final = "code-mode gRPC session is closed"
+#: §13.3 a request racing with a session that has already stopped.
+GRPC_SESSION_CLOSED: Final = "gRPC code-mode session closed"
+
+#: §5 "gRPC code-mode execution ended before its starting event".
+EXECUTION_ENDED_BEFORE_STARTING: Final = "gRPC code-mode execution ended before its starting event"
+#: §5 "gRPC code-mode execution omitted its starting event".
+EXECUTION_OMITTED_STARTING: Final = "gRPC code-mode execution omitted its starting event"
+#: §5 "gRPC code-mode execution omitted its initial outcome".
+EXECUTION_OMITTED_INITIAL_OUTCOME: Final = "gRPC code-mode execution omitted its initial outcome"
+#: §5 "gRPC code-mode execution returned an unexpected event".
+EXECUTION_UNEXPECTED_EVENT: Final = "gRPC code-mode execution returned an unexpected event"
+
+
+def execution_returned_id(got: str, sent: str) -> str:
+    """§5 "gRPC code-mode execution returned ID ⟨got⟩ instead of ⟨sent⟩" (fails the session)."""
+    return f"gRPC code-mode execution returned ID {got} instead of {sent}"
+
+
+def execution_returned_cell(got: str, expected: str) -> str:
+    """§5 "gRPC code-mode execution returned cell ⟨got⟩ instead of ⟨expected⟩" (fails the session)."""
+    return f"gRPC code-mode execution returned cell {got} instead of {expected}"
+
+
+def host_returned_cell(got: str, expected: str) -> str:
+    """§13.4 "gRPC code-mode host returned cell ⟨a⟩ instead of ⟨b⟩" (wait/terminate outcomes)."""
+    return f"gRPC code-mode host returned cell {got} instead of {expected}"
+
+
+def tool_call_wrong_session(got: str, expected: str) -> str:
+    """§6.2 "gRPC code-mode tool invocation belongs to session ⟨got⟩ instead of ⟨expected⟩"."""
+    return f"gRPC code-mode tool invocation belongs to session {got} instead of {expected}"
+
+
+def cell_is_closed(cell_id: str) -> str:
+    """§6.5 "code-mode cell ⟨cell_id⟩ is closed": the answer to a ToolCall of a closed execution."""
+    return f"code-mode cell {cell_id} is closed"
+
+
+#: §13.4 "code-mode tool invocation ID was reused" (fails the session).
+INVOCATION_ID_REUSED: Final = "code-mode tool invocation ID was reused"
+#: §7 "code-mode notification call ID does not match its execution" (fails the session).
+NOTIFICATION_CALL_ID_MISMATCH: Final = "code-mode notification call ID does not match its execution"
+#: §13.4 "code-mode execution ID was empty or reused".
+EXECUTION_ID_EMPTY_OR_REUSED: Final = "code-mode execution ID was empty or reused"
+
+
+def notification_delegate_failed(error: str) -> str:
+    """§7 "code-mode notification delegate failed: ⟨error⟩" (logged, never fails the session)."""
+    return f"code-mode notification delegate failed: {error}"
+
+
+def execution_started_twice(execution_id: str) -> str:
+    """§13.4 "code-mode execution ⟨id⟩ started twice"."""
+    return f"code-mode execution {execution_id} started twice"
+
+
+def execution_changed_cell(old: str, new: str) -> str:
+    """§13.4 "code-mode execution changed cell ID from ⟨a⟩ to ⟨b⟩"."""
+    return f"code-mode execution changed cell ID from {old} to {new}"
+
+
+def host_reused_cell(cell_id: str) -> str:
+    """§13.4 "code-mode host reused active cell ID ⟨id⟩"."""
+    return f"code-mode host reused active cell ID {cell_id}"
+
+
+def invalid_closure(cell_id: str) -> str:
+    """§13.4 "code-mode host returned an invalid closure for cell ⟨id⟩" (a second CellClosed)."""
+    return f"code-mode host returned an invalid closure for cell {cell_id}"
+
+
+def wait_retire_failed(error: str) -> str:
+    """§13.5 "failed to retire canceled gRPC code-mode wait: ⟨error⟩"."""
+    return f"failed to retire canceled gRPC code-mode wait: {error}"
+
+
+#: §12.2 the bound of a status error text, in UTF-8 bytes (cut texts end with ``...``).
+MAX_STATUS_ERROR_BYTES: Final = 512
+
+
+def bounded_error_text(text: str) -> str:
+    """§12.2 ``text`` cut on a UTF-8 boundary to at most 512 bytes, ending ``...`` when cut."""
+    data = text.encode("utf-8", "replace")
+    if len(data) <= MAX_STATUS_ERROR_BYTES:
+        return text
+    return data[: MAX_STATUS_ERROR_BYTES - 3].decode("utf-8", "ignore") + "..."
+
+
+def operation_failed(operation: str, code_name: str, message: str) -> str:
+    """§12.2 "gRPC code-mode ⟨operation⟩ failed: ⟨CODE_NAME⟩: ⟨message⟩" (at most 512 bytes)."""
+    return bounded_error_text(f"gRPC code-mode {operation} failed: {code_name}: {message}")
+
+
+def timed_out_waiting(operation: str) -> str:
+    """§13.3 "gRPC code-mode host timed out waiting for ⟨operation⟩ response"."""
+    return f"gRPC code-mode host timed out waiting for {operation} response"
+
+
+def invalid_endpoint(detail: str) -> str:
+    """§13.1 "invalid gRPC code-mode host endpoint: ⟨detail⟩"."""
+    return f"invalid gRPC code-mode host endpoint: {detail}"
+
+
+#: §13.1 ⟨detail⟩ of an endpoint with a user or password (never repeats them).
+ENDPOINT_HAS_CREDENTIALS: Final = "the endpoint must not include credentials"
+
+
+def connect_failed(detail: str) -> str:
+    """§13.1 "failed to connect to gRPC code-mode host: ⟨detail⟩"."""
+    return f"failed to connect to gRPC code-mode host: {detail}"

@@ -1,0 +1,1013 @@
+"""Remote sessions on a gRPC host (``grpc.md`` §4-§13): the client side of ``codex.code_mode.v1``.
+
+:class:`GrpcCodeModeSessionProvider` shares one ``grpc.aio`` channel among its sessions. Each
+:class:`GrpcSession` holds its lease (``OpenSession``) and one empty-filter tool subscription;
+delegate callbacks run through :func:`~codemode.session.serve_callback` and are answered with
+``CompleteToolCall`` / ``AcknowledgeNotification``. Losing the lease or the subscription, a host
+that breaks the protocol, or ``NOT_FOUND`` on a session rpc fails the session: every pending call
+raises :class:`~codemode.errors.ConnectionClosed` with the reason and :meth:`GrpcSession.is_alive`
+turns false for good.
+
+Not implemented yet: generations and reconnect (§13.8; a failed session stays failed, as over
+Protocol V1), route-loss markers (§4.3; the route token itself is replayed), the early-yield
+(``YieldObservation``) signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Final, TypeVar
+from urllib.parse import urlsplit
+
+# Before grpc: the runtime forks engine processes (see codemode.host.grpc).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+import grpc
+from grpc import aio
+
+from codemode.errors import (
+    CodeModeError,
+    ConnectionClosed,
+    RemoteProtocolError,
+    WireConversionError,
+)
+from codemode.grpc_stubs import v1_pb2_grpc
+from codemode.protocol.delegation import (
+    CallbackFailed,
+    CallbackResult,
+    ToolReturned,
+    tool_result_json,
+)
+from codemode.protocol.grpc import conversions, texts
+from codemode.protocol.grpc import v1_pb2 as pb
+from codemode.protocol.grpc.constants import MAX_MESSAGE_BYTES
+from codemode.protocol.grpc.identifiers import (
+    check_host_identifier,
+    check_invocation_id,
+    check_notification_id,
+)
+from codemode.protocol.texts import SESSION_SHUTTING_DOWN, TOO_MANY_CALLBACKS
+from codemode.protocol.types import (
+    CellId,
+    CodeModeNestedToolCall,
+    CodeModeSessionCellExecutionLimits,
+    CodeModeToolKind,
+    ExecuteRequest,
+    LiveCell,
+    RuntimeResponse,
+    WaitOutcome,
+    WaitRequest,
+    Yielded,
+)
+from codemode.session import (
+    CancellationToken,
+    CodeModeSession,
+    CodeModeSessionDelegate,
+    CodeModeSessionProvider,
+    StartedCell,
+    serve_callback,
+)
+
+__all__ = ["GrpcCodeModeSessionProvider", "GrpcSession", "parse_endpoint"]
+
+logger = logging.getLogger("codemode.client")
+
+T = TypeVar("T")
+Metadata = tuple[tuple[str, str], ...]
+
+#: §13.3 every rpc gets this much on top of its runtime allowance.
+TRANSPORT_ALLOWANCE: Final = 60.0
+#: §5 an execute without ``yield_time_ms`` observes for this long.
+DEFAULT_YIELD_TIME_MS: Final = 10_000
+#: §11 tool invocations + notifications admitted and not finished, per session.
+MAX_PENDING_CALLBACKS: Final = 1024
+#: §6.4, §13.4 ids remembered per session.
+REMEMBERED_IDS: Final = 4096
+#: How long a terminal outcome waits for its cell's cancelled tool callbacks to settle.
+CANCELLED_CALLBACK_GRACE: Final = 0.25
+#: §13.2 admission attempts and the pauses between them.
+ADMISSION_ATTEMPTS: Final = 5
+ADMISSION_BACKOFF: Final = (0.1, 0.2, 0.4, 0.8)
+#: §4.3 the routing token's metadata key.
+ROUTE_KEY: Final = "x-code-mode-route"
+#: How long a session's shutdown waits for the lease to end after ``CloseSession``.
+LEASE_DRAIN_TIMEOUT: Final = 2.0
+#: An ``UNAVAILABLE`` call waits this long for the lease to report a dead connection.
+UNAVAILABLE_GRACE: Final = 0.5
+
+_CHANNEL_OPTIONS: Final = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+_RETRIED_ADMISSION: Final = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+#: §12.2 operations whose ``NOT_FOUND`` means the session is gone.
+_SESSION_OPERATIONS: Final = frozenset(
+    {"execution", "wait", "termination", "wait cancellation", "yield observation"}
+)
+
+
+def parse_endpoint(target: str) -> str:
+    """The ``grpc.aio`` target of ``grpc://HOST:PORT``, ``http://HOST:PORT``, ``unix:/path`` or
+    ``unix:///path`` (§13.1); raise :class:`CodeModeError` for anything else. Credentials in the
+    URL are refused without repeating them."""
+    if target.startswith("unix:"):
+        if not target.removeprefix("unix:").lstrip("/"):
+            raise CodeModeError(texts.invalid_endpoint("a unix endpoint needs a path"))
+        return target
+    try:
+        parts = urlsplit(target)
+        port = parts.port
+    except ValueError:
+        raise CodeModeError(texts.invalid_endpoint("the port must be 0-65535")) from None
+    if "@" in parts.netloc:
+        raise CodeModeError(texts.invalid_endpoint(texts.ENDPOINT_HAS_CREDENTIALS))
+    if parts.scheme not in ("grpc", "http"):
+        raise CodeModeError(
+            texts.invalid_endpoint("expected grpc://HOST:PORT, http://HOST:PORT or unix:PATH")
+        )
+    if not parts.hostname or port is None:
+        raise CodeModeError(texts.invalid_endpoint("a host and a port are required"))
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise CodeModeError(texts.invalid_endpoint("a gRPC endpoint has no path or query"))
+    host = parts.hostname
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _tool_key(name: str, namespace: str | None) -> tuple[str, str | None]:
+    # §6.1: namespace `functions` is the same as no namespace.
+    return (name, None if namespace in (None, "functions") else namespace)
+
+
+def _status_text(error: aio.AioRpcError) -> tuple[str, str]:
+    code = error.code()
+    return code.name, error.details() or ""
+
+
+def _quiet(task: asyncio.Future[Any]) -> None:
+    task.add_done_callback(lambda done: done.cancelled() or done.exception())
+
+
+class _Bounded:
+    """The last ``REMEMBERED_IDS`` ids, oldest forgotten first."""
+
+    __slots__ = ("_ids",)
+
+    def __init__(self) -> None:
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._ids
+
+    def add(self, value: str) -> None:
+        self._ids[value] = None
+        if len(self._ids) > REMEMBERED_IDS:
+            self._ids.popitem(last=False)
+
+    def discard(self, value: str) -> None:
+        self._ids.pop(value, None)
+
+
+@dataclass(eq=False, slots=True)
+class _Execution:
+    """What the client keeps per execution (§13.4)."""
+
+    execution_id: str
+    tool_call_id: str
+    tools: dict[tuple[str, str | None], CodeModeToolKind]
+    cell_id: str | None = None
+    started: bool = False
+    claimed: bool = False
+    closed: bool = False
+    released: bool = False
+    notifications: int = 0
+    invocations: set[str] = field(default_factory=set)
+
+
+@dataclass(eq=False, slots=True)
+class _Callback:
+    """An admitted tool invocation or notification whose delegate call has not finished."""
+
+    record: _Execution
+    token: CancellationToken
+    cancelled: bool = False
+    task: asyncio.Task[None] | None = None
+
+
+class GrpcSession(CodeModeSession):
+    """A :class:`~codemode.session.CodeModeSession` served by a gRPC host (one lease)."""
+
+    def __init__(
+        self,
+        provider: GrpcCodeModeSessionProvider,
+        *,
+        stub: Any,
+        delegate: CodeModeSessionDelegate,
+        session_id: str,
+        lease: Any,
+        route: str | None,
+    ) -> None:
+        self._provider = provider
+        self._stub = stub
+        self._delegate = delegate
+        self.session_id = session_id
+        self._lease = lease
+        self._metadata: Metadata | None = None if route is None else ((ROUTE_KEY, route),)
+        self._loop = asyncio.get_running_loop()
+        self._subscription: Any = None
+        self._stopped = False
+        self._closing = False
+        self._failure: str | None = None
+        self._stopped_future: asyncio.Future[None] = self._loop.create_future()
+        self._executions: dict[str, _Execution] = {}
+        self._cells: dict[str, _Execution] = {}
+        self._retired = _Bounded()
+        self._invocations: dict[str, _Callback] = {}
+        self._notifications: dict[str, _Callback] = {}
+        self._seen_invocations = _Bounded()
+        self._early_cancellations = _Bounded()
+        # Early cancellations whose ToolCall has not arrived yet (id → when), and a wake-up for
+        # outcomes waiting for them (see _finished).
+        self._unmatched: dict[str, float] = {}
+        self._matched = asyncio.Event()
+        self._observing: set[str] = set()
+        self._retiring: dict[str, asyncio.Task[None]] = {}
+        self._background: set[asyncio.Future[Any]] = set()
+        self._readers: list[asyncio.Task[None]] = []
+        self._shutdown: asyncio.Task[None] | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        request = pb.SubscribeToToolCallsRequest(session_id=self.session_id)
+        self._subscription = self._stub.SubscribeToToolCalls(request, metadata=self._metadata)
+        self._readers = [
+            self._loop.create_task(self._read_lease(), name="codemode-grpc-lease"),
+            self._loop.create_task(self._read_tool_calls(), name="codemode-grpc-tool-calls"),
+        ]
+
+    def is_alive(self) -> bool:
+        """False once the session failed or was shut down; it never comes back."""
+        return not self._stopped and not self._closing
+
+    @property
+    def failure(self) -> str | None:
+        """Why the session failed, or ``None``."""
+        return self._failure
+
+    async def shutdown(self) -> None:
+        """Close the session on the host (idempotent, shared by concurrent callers)."""
+        if self._shutdown is None:
+            self._shutdown = self._loop.create_task(self._close())
+        await asyncio.shield(self._shutdown)
+
+    async def _close(self) -> None:
+        self._closing = True
+        if not self._stopped:
+            request = pb.CloseSessionRequest(session_id=self.session_id)
+            try:
+                await self._race(
+                    "session shutdown",
+                    self._stub.CloseSession(request, metadata=self._metadata),
+                    0.0,
+                    closing=True,
+                )
+            except CodeModeError as error:
+                logger.debug("CloseSession failed: %s", error)
+            lease_reader = self._readers[0] if self._readers else None
+            if lease_reader is not None:
+                await asyncio.wait((lease_reader,), timeout=LEASE_DRAIN_TIMEOUT)
+        self._stop(None)
+        if self._readers:
+            await asyncio.wait(self._readers, timeout=LEASE_DRAIN_TIMEOUT)
+
+    def _fail(self, reason: str) -> None:
+        """Record the first failure and stop the session (§13.7)."""
+        if self._stopped:
+            return
+        logger.warning("gRPC code-mode session %s failed: %s", self.session_id, reason)
+        self._stop(reason)
+
+    def _stop(self, failure: str | None) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self._failure = failure
+        self._stopped_future.set_result(None)
+        for callback in [*self._invocations.values(), *self._notifications.values()]:
+            callback.cancelled = True
+            callback.token.cancel()
+        for call in (self._lease, self._subscription):
+            if call is not None:
+                call.cancel()
+        for record in list(self._executions.values()):
+            record.claimed = record.closed = True
+            record.notifications = 0
+            self._release(record)
+        self._provider._forget(self)
+
+    def _stopped_error(self) -> CodeModeError:
+        if self._failure is not None:
+            return ConnectionClosed(self._failure)
+        if self._closing:
+            return CodeModeError(SESSION_SHUTTING_DOWN)
+        return ConnectionClosed(texts.GRPC_SESSION_IS_CLOSED)
+
+    def _check_usable(self) -> None:
+        if self._stopped or self._closing:
+            raise self._stopped_error()
+
+    def _keep(self, future: asyncio.Future[Any]) -> None:
+        self._background.add(future)
+        future.add_done_callback(self._background.discard)
+        _quiet(future)
+
+    # -- rpcs ----------------------------------------------------------------------------------
+
+    async def _race(
+        self, operation: str, awaitable: Awaitable[T], allowance: float, *, closing: bool = False
+    ) -> T:
+        """Await an rpc against the session's end and the §13.3 deadline; map its status."""
+        task: asyncio.Future[T] = asyncio.ensure_future(awaitable)
+        try:
+            async with asyncio.timeout(TRANSPORT_ALLOWANCE + allowance):
+                await asyncio.wait((task, self._stopped_future), return_when="FIRST_COMPLETED")
+        except TimeoutError:
+            task.cancel()
+            _quiet(task)
+            reason = texts.timed_out_waiting(operation)
+            self._fail(reason)
+            raise ConnectionClosed(reason) from None
+        except asyncio.CancelledError:
+            task.cancel()
+            _quiet(task)
+            raise
+        if not task.done():
+            task.cancel()
+            _quiet(task)
+            raise self._stopped_error()
+        try:
+            return task.result()
+        except aio.AioRpcError as error:
+            raise await self._status_error(operation, error) from None
+        except asyncio.CancelledError:  # the rpc was cancelled under us: the session stopped
+            raise self._stopped_error() from None
+
+    async def _status_error(self, operation: str, error: aio.AioRpcError) -> CodeModeError:
+        """§12.2: what a failed rpc means for its caller and the session."""
+        code = error.code()
+        name, message = _status_text(error)
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            return CodeModeError(message)
+        text = texts.operation_failed(operation, name, message)
+        if code == grpc.StatusCode.NOT_FOUND and operation in _SESSION_OPERATIONS:
+            self._fail(text)
+            return ConnectionClosed(text)
+        if self._stopped or (code == grpc.StatusCode.CANCELLED and self._closing):
+            return self._stopped_error()
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+            # A dead or closing host: the lease says so at about the same time; prefer that.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._stopped_future), UNAVAILABLE_GRACE)
+            if self._stopped:
+                return self._stopped_error()
+        return CodeModeError(text)
+
+    # -- execute ----------------------------------------------------------------------------------
+
+    async def execute(self, request: ExecuteRequest) -> StartedCell:
+        """Admit a cell on the host; its first outcome is ``initial_response()``."""
+        self._check_usable()
+        execution_id = str(uuid.uuid4())
+        try:
+            proto = conversions.execute_request_to_proto(
+                request, session_id=self.session_id, execution_id=execution_id
+            )
+        except WireConversionError as error:
+            raise CodeModeError(error.message) from None
+        tools = {
+            _tool_key(tool.tool_name.name, tool.tool_name.namespace): CodeModeToolKind(tool.kind)
+            for tool in request.enabled_tools
+        }
+        record = _Execution(execution_id, request.tool_call_id, tools)
+        self._executions[execution_id] = record  # before sending: callbacks may overtake started
+        call = self._stub.Execute(proto, metadata=self._metadata)
+        try:
+            cell_id = await self._started(record, call)
+        except asyncio.CancelledError:
+            # Abandoned before admission: the host terminates an admitted cell; its CellClosed
+            # releases the record (or, never admitted, nothing follows).
+            call.cancel()
+            record.claimed = True
+            self._maybe_release(record)
+            raise
+        except BaseException:
+            call.cancel()
+            if record.cell_id is None:
+                self._executions.pop(execution_id, None)
+            else:
+                record.claimed = True
+                self._maybe_release(record)
+            raise
+        yield_ms = DEFAULT_YIELD_TIME_MS if request.yield_time_ms is None else request.yield_time_ms
+        initial = self._initial(record, call, cell_id, yield_ms / 1000 + 1)
+        started = StartedCell.from_awaitable(
+            CellId(cell_id), initial, partial(self._abandon, record, call)
+        )
+        record.claimed = True
+        self._maybe_release(record)
+        return started
+
+    async def _started(self, record: _Execution, call: Any) -> str:
+        event = await self._race("execution", call.read(), 0.0)
+        if event is aio.EOF:
+            raise CodeModeError(texts.EXECUTION_ENDED_BEFORE_STARTING)
+        if event.WhichOneof("event") != "started":
+            raise CodeModeError(texts.EXECUTION_OMITTED_STARTING)
+        started = event.started
+        try:
+            if started.execution_id != record.execution_id:
+                raise RemoteProtocolError(
+                    texts.execution_returned_id(started.execution_id, record.execution_id)
+                )
+            if record.started:
+                raise RemoteProtocolError(texts.execution_started_twice(record.execution_id))
+            self._bind(record, started.cell_id)
+        except RemoteProtocolError as error:
+            self._fail(error.message)
+            raise ConnectionClosed(error.message) from None
+        record.started = True
+        return str(started.cell_id)
+
+    async def _initial(
+        self, record: _Execution, call: Any, cell_id: str, allowance: float
+    ) -> RuntimeResponse:
+        try:
+            event = await self._race("execution", call.read(), allowance)
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        if event is aio.EOF:
+            raise CodeModeError(texts.EXECUTION_OMITTED_INITIAL_OUTCOME)
+        if event.WhichOneof("event") != "outcome":
+            raise CodeModeError(texts.EXECUTION_UNEXPECTED_EVENT)
+        response = self._decode(lambda: conversions.runtime_response_to_domain(event.outcome))
+        if response.cell_id.value != cell_id:
+            reason = texts.execution_returned_cell(response.cell_id.value, cell_id)
+            self._fail(reason)
+            raise ConnectionClosed(reason)
+        await self._finished(record, response)
+        return response
+
+    async def _finished(self, record: _Execution | None, response: RuntimeResponse) -> None:
+        """A terminal outcome: the host no longer waits for the cell's tool calls, whose
+        ``ToolCallCancelled`` may still be on its way on the lease (another stream). Cancel them
+        here and give their delegates a moment to see it, so that, as on every other carrier,
+        a cell's outcome follows the cancellation of its unfinished calls."""
+        if record is None or isinstance(response, Yielded):
+            return
+        # A ToolCall may trail its own cancellation (another stream): let it arrive first.
+        deadline = self._loop.time() + CANCELLED_CALLBACK_GRACE
+        while self._unmatched and (remaining := deadline - self._loop.time()) > 0:
+            stale = deadline - 4 * CANCELLED_CALLBACK_GRACE
+            for invocation_id, seen in list(self._unmatched.items()):
+                if seen < stale:
+                    del self._unmatched[invocation_id]
+            if not self._unmatched:
+                break
+            self._matched.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._matched.wait(), remaining)
+        tasks = []
+        for invocation_id in list(record.invocations):
+            callback = self._invocations.get(invocation_id)
+            if callback is not None:
+                callback.cancelled = True
+                callback.token.cancel()
+                if callback.task is not None:
+                    tasks.append(callback.task)
+        if tasks:
+            await asyncio.wait(tasks, timeout=CANCELLED_CALLBACK_GRACE)
+
+    def _abandon(self, record: _Execution, call: Any) -> None:
+        """The caller dropped the started cell before its initial response (§5)."""
+        call.cancel()
+        cell_id = record.cell_id
+        if not self._stopped and not self._closing and cell_id is not None and not record.closed:
+            request = pb.TerminateRequest(session_id=self.session_id, cell_id=cell_id)
+            with contextlib.suppress(RuntimeError):  # from a finalizer after the loop closed
+                self._keep(
+                    asyncio.ensure_future(
+                        self._race(
+                            "termination",
+                            self._stub.Terminate(request, metadata=self._metadata),
+                            0.0,
+                        ),
+                        loop=self._loop,
+                    )
+                )
+
+    def _decode(self, convert: Callable[[], T]) -> T:
+        try:
+            return convert()
+        except RemoteProtocolError as error:
+            self._fail(error.message)
+            raise ConnectionClosed(error.message) from None
+        except WireConversionError as error:
+            raise CodeModeError(error.message) from None
+
+    # -- wait / terminate -------------------------------------------------------------------------
+
+    async def wait(self, request: WaitRequest) -> WaitOutcome:
+        """Observe a cell for up to ``request.yield_time_ms`` (one wait per cell at a time)."""
+        self._check_usable()
+        key = request.cell_id.value
+        if key in self._observing:
+            raise CodeModeError(f"exec cell {key} already has an active observer")
+        self._observing.add(key)
+        try:
+            retiring = self._retiring.get(key)
+            if retiring is not None:
+                await asyncio.shield(retiring)
+                self._check_usable()
+            wait_id = str(uuid.uuid4())
+            try:
+                proto = conversions.wait_request_to_proto(
+                    request, session_id=self.session_id, wait_id=wait_id
+                )
+            except WireConversionError as error:
+                raise CodeModeError(error.message) from None
+            try:
+                response = await self._race(
+                    "wait",
+                    self._stub.Wait(proto, metadata=self._metadata),
+                    request.yield_time_ms / 1000 + 1,
+                )
+            except asyncio.CancelledError:
+                self._retire_wait(key, wait_id)
+                raise
+        finally:
+            self._observing.discard(key)
+        return await self._checked_outcome(response, key)
+
+    async def _checked_outcome(self, response: pb.WaitResponse, cell_id: str) -> WaitOutcome:
+        outcome = self._decode(lambda: conversions.wait_outcome_to_domain(response))
+        got = outcome.response.cell_id.value
+        if got != cell_id:
+            reason = texts.host_returned_cell(got, cell_id)
+            self._fail(reason)
+            raise ConnectionClosed(reason)
+        if isinstance(outcome, LiveCell):
+            await self._finished(self._cells.get(cell_id), outcome.response)
+        return outcome
+
+    def _retire_wait(self, key: str, wait_id: str) -> None:
+        if self._stopped:
+            return
+        task = self._loop.create_task(self._cancel_wait(wait_id))
+        self._retiring[key] = task
+
+        def done(_: object) -> None:
+            if self._retiring.get(key) is task:
+                del self._retiring[key]
+
+        task.add_done_callback(done)
+        _quiet(task)
+
+    async def _cancel_wait(self, wait_id: str) -> None:
+        request = pb.CancelWaitRequest(session_id=self.session_id, wait_id=wait_id)
+        try:
+            await self._race(
+                "wait cancellation", self._stub.CancelWait(request, metadata=self._metadata), 0.0
+            )
+        except ConnectionClosed:
+            return
+        except CodeModeError as error:
+            if not self._stopped and not self._closing:
+                self._fail(texts.wait_retire_failed(error.message))
+
+    async def terminate(self, cell_id: CellId) -> WaitOutcome:
+        """Stop a cell and return its final outcome."""
+        self._check_usable()
+        request = pb.TerminateRequest(session_id=self.session_id, cell_id=cell_id.value)
+        task = asyncio.ensure_future(
+            self._race("termination", self._stub.Terminate(request, metadata=self._metadata), 0.0)
+        )
+        # Cancelled, the terminate goes on; its answer is discarded.
+        self._keep(task)
+        response = await asyncio.shield(task)
+        return await self._checked_outcome(response, cell_id.value)
+
+    # -- cells ---------------------------------------------------------------------------------------
+
+    def _bind(self, record: _Execution, cell_id: str) -> None:
+        """Tie ``cell_id`` to ``record`` (from started, a callback or a closure; §13.4)."""
+        check_host_identifier("cell ID", cell_id)
+        if record.cell_id is None:
+            owner = self._cells.get(cell_id)
+            if owner is not None and owner is not record:
+                raise RemoteProtocolError(texts.host_reused_cell(cell_id))
+            record.cell_id = cell_id
+            self._cells[cell_id] = record
+        elif record.cell_id != cell_id:
+            raise RemoteProtocolError(texts.execution_changed_cell(record.cell_id, cell_id))
+
+    def _maybe_release(self, record: _Execution) -> None:
+        if record.claimed and record.closed and record.notifications == 0:
+            self._release(record)
+
+    def _release(self, record: _Execution) -> None:
+        if record.released:
+            return
+        record.released = True
+        self._executions.pop(record.execution_id, None)
+        self._retired.add(record.execution_id)
+        cell_id = record.cell_id
+        if cell_id is None:
+            return
+        if self._cells.get(cell_id) is record:
+            del self._cells[cell_id]
+        try:
+            self._delegate.cell_closed(CellId(cell_id))
+        except Exception:
+            logger.exception("cell_closed(%s) failed", cell_id)
+
+    # -- the lease -----------------------------------------------------------------------------------
+
+    async def _read_lease(self) -> None:
+        lease = self._lease
+        try:
+            while True:
+                event = await lease.read()
+                if event is aio.EOF:
+                    if not self._closing:
+                        self._fail(texts.LEASE_CLOSED_UNEXPECTEDLY)
+                    return
+                self._on_session_event(event)
+        except aio.AioRpcError as error:
+            if not self._closing:
+                self._fail(texts.operation_failed("session lease", *_status_text(error)))
+        except RemoteProtocolError as error:
+            self._fail(error.message)
+        except asyncio.CancelledError:
+            if not self._stopped:
+                self._fail(texts.LEASE_CLOSED_UNEXPECTEDLY)
+        except Exception as error:  # a bug here must not leave callers hanging
+            logger.exception("the gRPC lease reader failed")
+            self._fail(texts.operation_failed("session lease", "INTERNAL", str(error)))
+
+    def _on_session_event(self, event: pb.SessionEvent) -> None:
+        kind = event.WhichOneof("event")
+        if kind == "tool_call_cancelled":
+            self._on_tool_call_cancelled(event.tool_call_cancelled.invocation_id)
+        elif kind == "notification":
+            self._on_notification(event.notification)
+        elif kind == "notification_cancelled":
+            notification_id = check_notification_id(event.notification_cancelled.notification_id)
+            callback = self._notifications.get(notification_id)
+            if callback is not None:
+                callback.token.cancel()
+        elif kind == "cell_closed":
+            self._on_cell_closed(event.cell_closed)
+        elif kind == "opened":
+            raise RemoteProtocolError(texts.LEASE_REPEATED_OPENING)
+        else:
+            raise RemoteProtocolError(texts.LEASE_EMPTY_EVENT)
+
+    def _on_tool_call_cancelled(self, invocation_id: str) -> None:
+        check_invocation_id(invocation_id)
+        callback = self._invocations.get(invocation_id)
+        if callback is not None:
+            callback.cancelled = True
+            callback.token.cancel()
+        elif invocation_id not in self._seen_invocations:
+            self._early_cancellations.add(invocation_id)
+            self._unmatched[invocation_id] = self._loop.time()
+
+    def _on_cell_closed(self, closed: pb.CellClosed) -> None:
+        record = self._executions.get(closed.execution_id)
+        if record is None:
+            return  # retired, or never ours
+        if record.closed:
+            raise RemoteProtocolError(texts.invalid_closure(closed.cell_id))
+        self._bind(record, closed.cell_id)
+        record.closed = True
+        for invocation_id in list(record.invocations):
+            callback = self._invocations.get(invocation_id)
+            if callback is not None:
+                callback.cancelled = True
+                callback.token.cancel()
+        self._maybe_release(record)
+
+    # -- notifications -------------------------------------------------------------------------------
+
+    def _on_notification(self, notification: pb.Notification) -> None:
+        notification_id = check_notification_id(notification.notification_id)
+        record = self._executions.get(notification.execution_id)
+        if record is None or record.closed:
+            self._acknowledge(notification_id)
+            return
+        self._bind(record, notification.cell_id)
+        call_id = check_host_identifier("notification call ID", notification.call_id)
+        if call_id != record.tool_call_id:
+            raise RemoteProtocolError(texts.NOTIFICATION_CALL_ID_MISMATCH)
+        if self._pending() >= MAX_PENDING_CALLBACKS:
+            logger.warning("notification %s dropped: %s", notification_id, TOO_MANY_CALLBACKS)
+            self._acknowledge(notification_id)
+            return
+        token = CancellationToken()
+        callback = _Callback(record, token)
+        self._notifications[notification_id] = callback
+        record.notifications += 1
+        call = self._delegate.notify(
+            call_id, CellId(record.cell_id or ""), notification.text, token
+        )
+        task = serve_callback(
+            call, partial(self._notified, notification_id, callback), notification=True
+        )
+        if task is not None:
+            self._keep(task)
+
+    def _notified(self, notification_id: str, callback: _Callback, result: CallbackResult) -> None:
+        if self._notifications.get(notification_id) is callback:
+            del self._notifications[notification_id]
+        if isinstance(result, CallbackFailed):
+            logger.warning(texts.notification_delegate_failed(result.message))
+        record = callback.record
+        if not record.released:
+            record.notifications -= 1
+            self._maybe_release(record)
+        self._acknowledge(notification_id)
+
+    def _acknowledge(self, notification_id: str) -> None:
+        if self._stopped:
+            return
+        request = pb.AcknowledgeNotificationRequest(
+            session_id=self.session_id, notification_id=notification_id
+        )
+        self._keep(asyncio.ensure_future(self._send_acknowledgement(request)))
+
+    async def _send_acknowledgement(self, request: pb.AcknowledgeNotificationRequest) -> None:
+        try:
+            await self._stub.AcknowledgeNotification(request, metadata=self._metadata)
+        except aio.AioRpcError as error:
+            if error.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS):
+                logger.debug("acknowledging notification failed: %s", error.details())
+
+    # -- tool calls ----------------------------------------------------------------------------------
+
+    def _pending(self) -> int:
+        return len(self._invocations) + len(self._notifications)
+
+    async def _read_tool_calls(self) -> None:
+        subscription = self._subscription
+        try:
+            while True:
+                call = await subscription.read()
+                if call is aio.EOF:
+                    if not self._closing:
+                        self._fail(texts.SUBSCRIPTION_CLOSED_UNEXPECTEDLY)
+                    return
+                self._on_tool_call(call)
+        except aio.AioRpcError as error:
+            if not self._closing:
+                self._fail(texts.operation_failed("tool subscription", *_status_text(error)))
+        except RemoteProtocolError as error:
+            self._fail(error.message)
+        except asyncio.CancelledError:
+            if not self._stopped:
+                self._fail(texts.SUBSCRIPTION_CLOSED_UNEXPECTEDLY)
+        except Exception as error:  # a bug here must not leave callers hanging
+            logger.exception("the gRPC tool-call reader failed")
+            self._fail(texts.operation_failed("tool subscription", "INTERNAL", str(error)))
+
+    def _on_tool_call(self, call: pb.ToolCall) -> None:
+        if call.session_id != self.session_id:
+            raise RemoteProtocolError(
+                texts.tool_call_wrong_session(call.session_id, self.session_id)
+            )
+        invocation_id = check_invocation_id(call.invocation_id)
+        if invocation_id in self._seen_invocations or invocation_id in self._invocations:
+            raise RemoteProtocolError(texts.INVOCATION_ID_REUSED)
+        self._seen_invocations.add(invocation_id)
+        early = invocation_id in self._early_cancellations
+        if early:
+            self._early_cancellations.discard(invocation_id)
+            self._unmatched.pop(invocation_id, None)
+            self._matched.set()
+        record = self._executions.get(call.execution_id)
+        if early:
+            # Cancelled before it arrived (§6.4): never answered. The delegate still sees the
+            # call, already cancelled, as it would on every other carrier (the contract suite).
+            if record is None or record.released:  # its cell is gone: a detached record
+                record = _Execution(call.execution_id, "", {}, call.cell_id, released=True)
+            with contextlib.suppress(RemoteProtocolError, WireConversionError):
+                self._bind(record, call.cell_id)
+                self._admit(invocation_id, record, conversions.tool_call_to_domain(call), True)
+            return
+        if record is None or record.closed or record.released:
+            self._answer(invocation_id, CallbackFailed(texts.cell_is_closed(call.cell_id)))
+            return
+        self._bind(record, call.cell_id)
+        try:
+            invocation = conversions.tool_call_to_domain(call)
+        except WireConversionError as error:
+            self._answer(invocation_id, CallbackFailed(error.message))
+            return
+        name = invocation.tool_name
+        if record.tools.get(_tool_key(name.name, name.namespace)) != invocation.tool_kind:
+            self._answer(invocation_id, CallbackFailed(texts.tool_not_enabled(name.name)))
+            return
+        if self._pending() >= MAX_PENDING_CALLBACKS:
+            self._answer(invocation_id, CallbackFailed(TOO_MANY_CALLBACKS))
+            return
+        self._admit(invocation_id, record, invocation, record.closed)
+
+    def _admit(
+        self,
+        invocation_id: str,
+        record: _Execution,
+        invocation: CodeModeNestedToolCall,
+        cancelled: bool,
+    ) -> None:
+        token = CancellationToken()
+        callback = _Callback(record, token, cancelled)
+        if cancelled:
+            token.cancel()
+        self._invocations[invocation_id] = callback
+        record.invocations.add(invocation_id)
+        task = serve_callback(
+            self._delegate.invoke_tool(invocation, token),
+            partial(self._invoked, invocation_id, callback),
+        )
+        if task is not None:
+            callback.task = task
+            self._keep(task)
+
+    def _invoked(self, invocation_id: str, callback: _Callback, result: CallbackResult) -> None:
+        if self._invocations.get(invocation_id) is callback:
+            del self._invocations[invocation_id]
+        callback.record.invocations.discard(invocation_id)
+        if callback.cancelled or self._stopped:
+            return  # §6.4: a cancelled invocation is never completed
+        if isinstance(result, ToolReturned | CallbackFailed):
+            self._answer(invocation_id, result, callback)
+
+    def _answer(
+        self,
+        invocation_id: str,
+        result: ToolReturned | CallbackFailed,
+        callback: _Callback | None = None,
+    ) -> None:
+        if self._stopped:
+            return
+        if isinstance(result, ToolReturned):
+            # The D5 text every carrier gives a value that is not JSON (the contract suite's).
+            try:
+                output = tool_result_json(result.value)
+            except CodeModeError as error:
+                result = CallbackFailed(error.message)
+            else:
+                request = conversions.fit_message_limit(
+                    conversions.tool_call_succeeded(self.session_id, invocation_id, output)
+                )
+                self._keep(asyncio.ensure_future(self._complete(request, callback)))
+                return
+        request = conversions.complete_tool_call_request(self.session_id, invocation_id, result)
+        self._keep(asyncio.ensure_future(self._complete(request, callback)))
+
+    async def _complete(
+        self, request: pb.CompleteToolCallRequest, callback: _Callback | None
+    ) -> None:
+        try:
+            await self._race(
+                "tool invocation completion",
+                self._stub.CompleteToolCall(request, metadata=self._metadata),
+                0.0,
+            )
+        except ConnectionClosed:
+            return
+        except CodeModeError as error:
+            if callback is not None and callback.cancelled:
+                return  # NOT_FOUND then means "cancelled meanwhile" (§6.3)
+            if callback is None and self._closing:
+                return
+            self._fail(error.message)
+
+    def __repr__(self) -> str:
+        return f"GrpcSession({self.session_id!r})"
+
+
+class GrpcCodeModeSessionProvider(CodeModeSessionProvider):
+    """Creates :class:`GrpcSession` objects on one shared ``grpc.aio`` channel (§13.1).
+
+    ``target`` is ``grpc://HOST:PORT``, ``http://HOST:PORT``, ``unix:/path`` or ``unix:///path``.
+    """
+
+    def __init__(self, target: str, *, open_timeout: float = TRANSPORT_ALLOWANCE) -> None:
+        self.target = target
+        self._address = parse_endpoint(target)
+        self._open_timeout = open_timeout
+        self._channel: aio.Channel | None = None
+        self._stub: Any = None
+        self._sessions: set[GrpcSession] = set()
+        self._closed = False
+
+    def _connect(self) -> Any:
+        if self._closed:
+            raise CodeModeError("code-mode session provider is closed")
+        if self._channel is None:
+            self._channel = aio.insecure_channel(self._address, options=_CHANNEL_OPTIONS)
+            self._stub = v1_pb2_grpc.CodeModeHostStub(self._channel)
+        return self._stub
+
+    async def create_session(self, delegate: CodeModeSessionDelegate) -> GrpcSession:
+        """Open a session served by ``delegate``."""
+        return await self.create_session_with_limits(delegate, CodeModeSessionCellExecutionLimits())
+
+    async def create_session_with_limits(
+        self,
+        delegate: CodeModeSessionDelegate,
+        limits: CodeModeSessionCellExecutionLimits,
+    ) -> GrpcSession:
+        """Open a session whose cells share ``limits`` (admission retried as in §13.2)."""
+        try:
+            request = conversions.open_session_request(limits)
+        except WireConversionError as error:
+            raise CodeModeError(error.message) from None
+        stub = self._connect()
+        for attempt in range(ADMISSION_ATTEMPTS):
+            try:
+                session = await self._open(stub, request, delegate)
+            except aio.AioRpcError as error:
+                if error.code() in _RETRIED_ADMISSION and attempt + 1 < ADMISSION_ATTEMPTS:
+                    await asyncio.sleep(ADMISSION_BACKOFF[attempt])
+                    continue
+                raise CodeModeError(
+                    texts.operation_failed("session opening", *_status_text(error))
+                ) from None
+            self._sessions.add(session)
+            return session
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _open(
+        self, stub: Any, request: pb.OpenSessionRequest, delegate: CodeModeSessionDelegate
+    ) -> GrpcSession:
+        lease = stub.OpenSession(request)
+        try:
+            async with asyncio.timeout(self._open_timeout):
+                first = await lease.read()
+                route = None
+                if first is not aio.EOF:
+                    metadata = await lease.initial_metadata()
+                    route = None if metadata is None else metadata.get(ROUTE_KEY)
+        except TimeoutError:
+            lease.cancel()
+            raise CodeModeError(texts.timed_out_waiting("session opening")) from None
+        except BaseException:
+            lease.cancel()
+            raise
+        try:
+            if first is aio.EOF:
+                raise CodeModeError(texts.LEASE_ENDED_BEFORE_OPENING)
+            if first.WhichOneof("event") != "opened":
+                raise CodeModeError(texts.LEASE_OMITTED_OPENING)
+            session_id = check_host_identifier("session ID", first.opened.session_id)
+        except CodeModeError:
+            lease.cancel()
+            raise
+        session = GrpcSession(
+            self,
+            stub=stub,
+            delegate=delegate,
+            session_id=session_id,
+            lease=lease,
+            route=None if route is None else str(route),
+        )
+        session._start()
+        return session
+
+    def _forget(self, session: GrpcSession) -> None:
+        self._sessions.discard(session)
+
+    async def aclose(self) -> None:
+        """Shut down every session, then close the channel."""
+        self._closed = True
+        sessions, self._sessions = list(self._sessions), set()
+        await asyncio.gather(*(session.shutdown() for session in sessions), return_exceptions=True)
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close()
+
+    async def __aenter__(self) -> GrpcCodeModeSessionProvider:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
