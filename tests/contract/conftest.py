@@ -197,29 +197,40 @@ class DualWebSocketHarness(WebSocketHarness):
     dual = True
 
 
-_WEBSOCKET_HOSTS: dict[bool, tuple[subprocess.Popen[bytes], str]] = {}
+_LISTENING_HOSTS: dict[tuple[str, bool], tuple[subprocess.Popen[bytes], str]] = {}
 
 
-def websocket_host(store_load: bool) -> str:
-    """The control URL of the shared WebSocket host (started on first use)."""
-    running = _WEBSOCKET_HOSTS.get(store_load)
+def listening_host(scheme: str, store_load: bool) -> str:
+    """The URL of the shared ``codemode host --listen SCHEME://127.0.0.1:0`` child (started on
+    first use, stopped at the end of the test run)."""
+    running = _LISTENING_HOSTS.get((scheme, store_load))
     if running is not None and running[0].poll() is None:
         return running[1]
-    command = [sys.executable, "-m", "codemode", "host", "--listen", "ws://127.0.0.1:0"]
+    command = [sys.executable, "-m", "codemode", "host", "--listen", f"{scheme}://127.0.0.1:0"]
     if not store_load:
         command.append("--no-store-load")
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert process.stdout is not None
     url = process.stdout.readline().decode().strip()
-    assert url.startswith("ws://127.0.0.1:"), url
-    _WEBSOCKET_HOSTS[store_load] = (process, url)
+    assert url.startswith(f"{scheme}://127.0.0.1:"), url
+    _LISTENING_HOSTS[scheme, store_load] = (process, url)
     return url
 
 
+def websocket_host(store_load: bool) -> str:
+    """The control URL of the shared WebSocket host."""
+    return listening_host("ws", store_load)
+
+
+def grpc_host(store_load: bool) -> str:
+    """The target of the shared gRPC host."""
+    return listening_host("grpc", store_load)
+
+
 @pytest.fixture(scope="session", autouse=True)
-def _stop_websocket_hosts() -> Iterator[None]:
+def _stop_listening_hosts() -> Iterator[None]:
     yield
-    for process, _ in _WEBSOCKET_HOSTS.values():
+    for process, _ in _LISTENING_HOSTS.values():
         process.terminate()
         try:
             process.wait(30)
@@ -241,37 +252,6 @@ class GrpcHarness(ProviderHarness):
         from codemode.client.grpc import GrpcCodeModeSessionProvider
 
         return GrpcCodeModeSessionProvider(grpc_host(store_load))
-
-
-_GRPC_HOSTS: dict[bool, tuple[subprocess.Popen[bytes], str]] = {}
-
-
-def grpc_host(store_load: bool) -> str:
-    """The target of the shared gRPC host (started on first use)."""
-    running = _GRPC_HOSTS.get(store_load)
-    if running is not None and running[0].poll() is None:
-        return running[1]
-    command = [sys.executable, "-m", "codemode", "host", "--listen", "grpc://127.0.0.1:0"]
-    if not store_load:
-        command.append("--no-store-load")
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    assert process.stdout is not None
-    url = process.stdout.readline().decode().strip()
-    assert url.startswith("grpc://127.0.0.1:"), url
-    _GRPC_HOSTS[store_load] = (process, url)
-    return url
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _stop_grpc_hosts() -> Iterator[None]:
-    yield
-    for process, _ in _GRPC_HOSTS.values():
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 #: Tests the ``grpc`` carrier cannot pass yet (test id → why): strict xfails on that carrier.
