@@ -1,4 +1,4 @@
-"""``codemode host``: serve the embedded runtime over stdio or WebSocket."""
+"""``codemode host``: serve the embedded runtime over stdio, WebSocket or gRPC."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from urllib.parse import urlsplit
+from typing import TYPE_CHECKING
 
 from codemode.cli.common import (
     engine_arguments,
@@ -30,6 +30,9 @@ from codemode.host.websocket import (
 from codemode.protocol.constants import DEFAULT_MAX_ACTIVE_CELLS, DEFAULT_MAX_IN_FLIGHT_REQUESTS
 from codemode.runtime import confinement
 from codemode.transports import stdio_transport
+
+if TYPE_CHECKING:
+    from codemode.host.grpc import GrpcTls
 
 __all__ = ["add_parser"]
 
@@ -118,10 +121,17 @@ def _host_command(args: argparse.Namespace) -> int:
         print("codemode host: --stdio or --listen ADDRESS is required", file=sys.stderr)
         return 2
     try:
-        if listen == "stdio":
-            return asyncio.run(_host_stdio(args))
         if listen.startswith("grpc://"):
             return _host_grpc_command(args, listen)
+        if args.tls_cert is not None or args.tls_key is not None:
+            print(
+                "codemode host: --tls-cert/--tls-key: not supported yet for --listen "
+                f"{'stdio' if listen == 'stdio' else 'ws://'} (only grpc://)",
+                file=sys.stderr,
+            )
+            return 2
+        if listen == "stdio":
+            return asyncio.run(_host_stdio(args))
         try:
             address = WebSocketAddress.parse(listen)
             token = _host_token(args)
@@ -142,16 +152,8 @@ def _host_command(args: argparse.Namespace) -> int:
 
 
 def _host_grpc_command(args: argparse.Namespace, listen: str) -> int:
-    host = urlsplit(listen).hostname or "127.0.0.1"
-    if not is_loopback(host) and not args.insecure:
-        print(
-            f"codemode host: refusing to listen on {host} over gRPC: it has no token or TLS "
-            "yet; give --insecure to serve anyone who can reach it",
-            file=sys.stderr,
-        )
-        return 2
     try:
-        from codemode.host.grpc import GrpcAddress
+        from codemode.host.grpc import GrpcAddress, GrpcTls
     except ImportError:
         print(
             "codemode host: gRPC needs the `grpc` extra: pip install 'codemode[grpc]'",
@@ -159,14 +161,36 @@ def _host_grpc_command(args: argparse.Namespace, listen: str) -> int:
         )
         return 2
     try:
-        GrpcAddress.parse(listen)
-    except ValueError as error:
+        address = GrpcAddress.parse(listen)
+        token = _host_token(args)
+    except (ValueError, OSError) as error:
         print(f"codemode host: --listen {listen}: {error}", file=sys.stderr)
         return 2
-    return asyncio.run(_host_grpc(args, listen))
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("codemode host: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    tls = None
+    if args.tls_cert is not None:
+        try:
+            tls = GrpcTls.from_files(args.tls_cert, args.tls_key)
+        except (ValueError, OSError) as error:
+            print(f"codemode host: --tls-cert/--tls-key: {error}", file=sys.stderr)
+            return 2
+    # TLS alone does not say who may call: a public address still needs a token (as WebSocket).
+    if token is None and not is_loopback(address.host) and not args.insecure:
+        print(
+            f"codemode host: refusing to listen on {address.host} over gRPC without a token: "
+            "give --token-file (or $CODEMODE_HOST_TOKEN), or --insecure to serve anyone who can "
+            "reach it",
+            file=sys.stderr,
+        )
+        return 2
+    return asyncio.run(_host_grpc(args, listen, token, tls))
 
 
-async def _host_grpc(args: argparse.Namespace, listen: str) -> int:
+async def _host_grpc(
+    args: argparse.Namespace, listen: str, token: str | None, tls: GrpcTls | None
+) -> int:
     from codemode.host.grpc import GrpcHostOptions, serve_grpc
 
     provider = local_provider(args, store_load=not args.no_store_load)
@@ -187,6 +211,8 @@ async def _host_grpc(args: argparse.Namespace, listen: str) -> int:
             options=options,
             shutdown_grace=args.shutdown_grace,
             ready=lambda url: print(url, flush=True),
+            token=token,
+            tls=tls,
         )
     except OSError as error:
         print(f"codemode host: cannot listen on {listen}: {error}", file=sys.stderr)
@@ -208,8 +234,10 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "WebSocket connections (single, or control + bulk) until SIGTERM/SIGINT; the first line "
         "of stdout is the control URL (PORT 0 picks a free port). A non-loopback address needs "
         "a token (--token-file or $CODEMODE_HOST_TOKEN) unless --insecure. With --listen "
-        "grpc://ADDR:PORT, serve the codex.code_mode.v1.CodeModeHost gRPC service the same way "
-        "(loopback only unless --insecure: no token or TLS yet). Status 2: bad usage.",
+        "grpc://ADDR:PORT, serve the codex.code_mode.v1.CodeModeHost gRPC service the same way, "
+        "with the same token rule (the token travels as `authorization: Bearer` metadata; "
+        "grpc.health.v1 stays open, like /readyz) and optional TLS (--tls-cert/--tls-key; the "
+        "printed URL stays grpc://, clients opt into TLS). Status 2: bad usage.",
     )
     host.add_argument("--stdio", action="store_true", help="serve one connection on stdin/stdout")
     host.add_argument(
@@ -220,12 +248,24 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     host.add_argument(
         "--token-file",
         metavar="PATH",
-        help="WebSocket: require `Authorization: Bearer <the file's content>` on every socket",
+        help="WebSocket and gRPC: require `Authorization: Bearer <the file's content>` on every "
+        "socket / rpc",
     )
     host.add_argument(
         "--insecure",
         action="store_true",
-        help="WebSocket: allow a non-loopback address without a token",
+        help="WebSocket and gRPC: allow a non-loopback address without a token",
+    )
+    host.add_argument(
+        "--tls-cert",
+        metavar="PATH",
+        help="gRPC: serve TLS with this PEM certificate chain (with --tls-key; not supported yet "
+        "for WebSocket)",
+    )
+    host.add_argument(
+        "--tls-key",
+        metavar="PATH",
+        help="gRPC: the PEM private key of --tls-cert",
     )
     host.add_argument(
         "--max-connections",
@@ -253,7 +293,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=float,
         default=30.0,
         metavar="SECONDS",
-        help="WebSocket: on SIGTERM, how long running cells may go on before they are stopped",
+        help="ws and grpc: on SIGTERM, how long running cells may go on before they are stopped",
     )
     host.add_argument(
         "--max-in-flight-requests",

@@ -98,6 +98,8 @@ ADMISSION_ATTEMPTS: Final = 5
 ADMISSION_BACKOFF: Final = (0.1, 0.2, 0.4, 0.8)
 #: §4.3 the routing token's metadata key.
 ROUTE_KEY: Final = "x-code-mode-route"
+#: The metadata key of the bearer token (``grpc.md`` §1: shared with the WebSocket listener).
+AUTHORIZATION_KEY: Final = "authorization"
 #: How long a session's shutdown waits for the lease to end after ``CloseSession``.
 LEASE_DRAIN_TIMEOUT: Final = 2.0
 #: An ``UNAVAILABLE`` call waits this long for the lease to report a dead connection.
@@ -213,13 +215,16 @@ class GrpcSession(CodeModeSession):
         session_id: str,
         lease: Any,
         route: str | None,
+        auth: Metadata = (),
     ) -> None:
         self._provider = provider
         self._stub = stub
         self._delegate = delegate
         self.session_id = session_id
         self._lease = lease
-        self._metadata: Metadata | None = None if route is None else ((ROUTE_KEY, route),)
+        # Every call carries the bearer token (if any) and replays the route token (§4.3).
+        metadata = auth if route is None else (*auth, (ROUTE_KEY, route))
+        self._metadata: Metadata | None = metadata or None
         self._loop = asyncio.get_running_loop()
         self._subscription: Any = None
         self._stopped = False
@@ -909,11 +914,27 @@ class GrpcCodeModeSessionProvider(CodeModeSessionProvider):
     """Creates :class:`GrpcSession` objects on one shared ``grpc.aio`` channel (§13.1).
 
     ``target`` is ``grpc://HOST:PORT``, ``http://HOST:PORT``, ``unix:/path`` or ``unix:///path``.
+    ``token``: sent as ``authorization: Bearer <token>`` metadata on every call. ``tls``: connect
+    over TLS (the URL keeps its ``grpc://`` scheme), verifying the host against
+    ``root_certificates`` (PEM bytes; giving them implies ``tls``) or the system's roots.
     """
 
-    def __init__(self, target: str, *, open_timeout: float = TRANSPORT_ALLOWANCE) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        open_timeout: float = TRANSPORT_ALLOWANCE,
+        token: str | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+    ) -> None:
+        if token is not None and (not token or any(c in token for c in "\r\n")):
+            raise CodeModeError("the bearer token is empty or spans lines")
         self.target = target
         self._address = parse_endpoint(target)
+        self._auth: Metadata = () if token is None else ((AUTHORIZATION_KEY, f"Bearer {token}"),)
+        self._tls = tls or root_certificates is not None
+        self._root_certificates = root_certificates
         self._open_timeout = open_timeout
         self._channel: aio.Channel | None = None
         self._stub: Any = None
@@ -924,7 +945,13 @@ class GrpcCodeModeSessionProvider(CodeModeSessionProvider):
         if self._closed:
             raise CodeModeError("code-mode session provider is closed")
         if self._channel is None:
-            self._channel = aio.insecure_channel(self._address, options=_CHANNEL_OPTIONS)
+            if self._tls:
+                credentials = grpc.ssl_channel_credentials(self._root_certificates)
+                self._channel = aio.secure_channel(
+                    self._address, credentials, options=_CHANNEL_OPTIONS
+                )
+            else:
+                self._channel = aio.insecure_channel(self._address, options=_CHANNEL_OPTIONS)
             self._stub = v1_pb2_grpc.CodeModeHostStub(self._channel)
         return self._stub
 
@@ -960,7 +987,7 @@ class GrpcCodeModeSessionProvider(CodeModeSessionProvider):
     async def _open(
         self, stub: Any, request: pb.OpenSessionRequest, delegate: CodeModeSessionDelegate
     ) -> GrpcSession:
-        lease = stub.OpenSession(request)
+        lease = stub.OpenSession(request, metadata=self._auth or None)
         try:
             async with asyncio.timeout(self._open_timeout):
                 first = await lease.read()
@@ -990,6 +1017,7 @@ class GrpcCodeModeSessionProvider(CodeModeSessionProvider):
             session_id=session_id,
             lease=lease,
             route=None if route is None else str(route),
+            auth=self._auth,
         )
         session._start()
         return session

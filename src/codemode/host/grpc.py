@@ -9,6 +9,13 @@ subscriptions and ``Notification`` events on its lease, answered by ``CompleteTo
 (``ToolCallCancelled`` / ``NotificationCancelled``). Statuses follow ``grpc.md`` §12.1.
 
 :func:`serve_grpc` runs a host until a stop event is set (the ``--listen grpc://`` command line).
+
+Authentication and TLS follow the WebSocket listener (``grpc.md`` §1): with a token, every
+``CodeModeHost`` rpc must carry the metadata ``authorization: Bearer <token>`` or it ends
+``UNAUTHENTICATED`` (checked by :class:`_BearerTokenInterceptor`, constant-time); the
+``grpc.health.v1.Health`` service stays open, as ``GET /readyz`` does on the WebSocket listener.
+With :class:`GrpcTls` the port serves TLS (``grpc.ssl_server_credentials``); the URL stays
+``grpc://`` (TLS is a property of the channel, not of the address).
 """
 
 # ruff: noqa: E402 - grpc must be imported after GRPC_ENABLE_FORK_SUPPORT is set (below)
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import itertools
 import logging
 import os
@@ -23,8 +31,9 @@ import sys
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final, NoReturn
 from urllib.parse import urlsplit
 
@@ -72,7 +81,7 @@ from codemode.session import (
     CodeModeSessionProvider,
 )
 
-__all__ = ["GrpcAddress", "GrpcHost", "GrpcHostOptions", "serve_grpc"]
+__all__ = ["GrpcAddress", "GrpcHost", "GrpcHostOptions", "GrpcTls", "serve_grpc"]
 
 logger = logging.getLogger("codemode.host")
 
@@ -128,6 +137,84 @@ class GrpcAddress:
     def url(self, port: int | None = None) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"grpc://{host}:{self.port if port is None else port}"
+
+
+@dataclass(frozen=True, slots=True)
+class GrpcTls:
+    """The host's TLS identity: a PEM certificate chain and its PEM private key."""
+
+    certificate_chain: bytes
+    private_key: bytes
+
+    @classmethod
+    def from_files(
+        cls, certificate: str | os.PathLike[str], key: str | os.PathLike[str]
+    ) -> GrpcTls:
+        """Read ``--tls-cert`` / ``--tls-key``; raise :class:`ValueError` for an empty file (and
+        :class:`OSError` when one cannot be read)."""
+        chain = Path(certificate).read_bytes()
+        private_key = Path(key).read_bytes()
+        for path, content in ((certificate, chain), (key, private_key)):
+            if not content.strip():
+                raise ValueError(f"{os.fspath(path)} is empty")
+        return cls(chain, private_key)
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(self.private_key, self.certificate_chain)])
+
+
+#: The metadata key of the bearer token (gRPC metadata keys are lower case).
+AUTHORIZATION_KEY: Final = "authorization"
+#: What a call without the right token ends with (``UNAUTHENTICATED``).
+UNAUTHENTICATED_MESSAGE: Final = (
+    "a bearer token is required: send metadata `authorization: Bearer <token>`"
+)
+#: Services served without a token (the health service, like ``GET /readyz``).
+_OPEN_SERVICE_PREFIXES: Final = ("/grpc.health.v1.Health/",)
+
+
+async def _deny(request: object, context: Context) -> NoReturn:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+    raise AssertionError("unreachable")  # pragma: no cover - abort raises
+
+
+class _BearerTokenInterceptor(aio.ServerInterceptor):
+    """Ends every rpc (but the health service's) without ``authorization: Bearer <token>`` with
+    ``UNAUTHENTICATED``; the comparison takes the same time wherever the tokens differ."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
+        given = b""
+        for key, value in details.invocation_metadata or ():
+            if key == AUTHORIZATION_KEY:
+                given = value if isinstance(value, bytes) else str(value).encode()
+                break
+        return hmac.compare_digest(given, self._expected)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
+        ],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        method = handler_call_details.method or ""
+        if method.startswith(_OPEN_SERVICE_PREFIXES) or self._authorized(handler_call_details):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        if handler is None:  # an unknown method: UNAUTHENTICATED all the same (nothing leaks)
+            return grpc.unary_unary_rpc_method_handler(_deny)
+        deserializer = handler.request_deserializer
+        serializer = handler.response_serializer
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(_deny, deserializer, serializer)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(_deny, deserializer, serializer)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(_deny, deserializer, serializer)
+        return grpc.unary_unary_rpc_method_handler(_deny, deserializer, serializer)
 
 
 class _Remembered:
@@ -840,7 +927,9 @@ class GrpcHost:
     """Serves a session provider as ``codex.code_mode.v1.CodeModeHost`` on a ``grpc.aio`` server.
 
     Use :meth:`start`, then :meth:`shutdown` (graceful) or :meth:`aclose`. ``address`` is a
-    :class:`GrpcAddress` or a ``grpc://ADDR:PORT`` URL.
+    :class:`GrpcAddress` or a ``grpc://ADDR:PORT`` URL. ``token``: when set, every
+    ``CodeModeHost`` rpc must carry ``authorization: Bearer <token>`` (health stays open).
+    ``tls``: serve TLS with this identity instead of plaintext HTTP/2.
     """
 
     def __init__(
@@ -850,8 +939,14 @@ class GrpcHost:
         *,
         options: GrpcHostOptions | None = None,
         health: bool = True,
+        token: str | None = None,
+        tls: GrpcTls | None = None,
     ) -> None:
+        if token is not None and not token:
+            raise ValueError("the token is empty")
         self.provider = provider
+        self._token = token
+        self._tls = tls
         self.options = options or GrpcHostOptions()
         self._address = GrpcAddress.parse(address) if isinstance(address, str) else address
         self._port = self._address.port
@@ -886,12 +981,17 @@ class GrpcHost:
                 "grpc was imported before codemode.host.grpc: set GRPC_ENABLE_FORK_SUPPORT=false, "
                 "or engine processes may crash while they start"
             )
-        server = aio.server(options=_SERVER_OPTIONS)
+        interceptors = [] if self._token is None else [_BearerTokenInterceptor(self._token)]
+        server = aio.server(options=_SERVER_OPTIONS, interceptors=interceptors)
         v1_pb2_grpc.add_CodeModeHostServicer_to_server(_Servicer(self), server)
         if self._health_enabled:
             self._health = _add_health(server)
         try:
-            port = server.add_insecure_port(self._address.bind_target())
+            target = self._address.bind_target()
+            if self._tls is None:
+                port = server.add_insecure_port(target)
+            else:
+                port = server.add_secure_port(target, self._tls.credentials())
         except RuntimeError as error:  # grpc reports a failed bind this way
             raise OSError(f"cannot listen on {self._address.url()}: {error}") from None
         if port == 0:
@@ -902,7 +1002,12 @@ class GrpcHost:
         if self._health is not None:
             for service in ("", SERVICE_NAME):
                 await self._health.set(service, _SERVING)
-        logger.info("event=listening url=%s", self.url)
+        logger.info(
+            "event=listening url=%s auth=%s tls=%s",
+            self.url,
+            "token" if self._token is not None else "none",
+            "on" if self._tls is not None else "off",
+        )
         return self.url
 
     def _keep(self, task: asyncio.Task[Any]) -> None:
@@ -977,11 +1082,14 @@ async def serve_grpc(
     options: GrpcHostOptions | None = None,
     shutdown_grace: float = 0.0,
     ready: Callable[[str], object] | None = None,
+    token: str | None = None,
+    tls: GrpcTls | None = None,
 ) -> None:
     """Serve ``provider`` on ``listen`` (``grpc://ADDR:PORT``) until ``stop`` is set, then shut
     down gracefully. ``ready(url)`` is called once bound (the CLI prints it as stdout's first
-    line). Raises :class:`ValueError` for a bad URL and :class:`OSError` when it cannot bind."""
-    host = GrpcHost(provider, GrpcAddress.parse(listen), options=options)
+    line). ``token`` and ``tls`` as for :class:`GrpcHost`. Raises :class:`ValueError` for a bad
+    URL and :class:`OSError` when it cannot bind."""
+    host = GrpcHost(provider, GrpcAddress.parse(listen), options=options, token=token, tls=tls)
     try:
         url = await host.start()
         if ready is not None:
