@@ -35,7 +35,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, NoReturn
-from urllib.parse import urlsplit
 
 # The runtime forks engine processes (with a pre-exec hook); gRPC's fork handlers make such
 # children crash while gRPC threads run. Off unless the environment says otherwise; it only
@@ -48,6 +47,7 @@ from grpc import aio
 
 from codemode.errors import CodeModeError, WireConversionError
 from codemode.grpc_stubs import v1_pb2_grpc
+from codemode.host.address import bracketed, split_listen_url
 from codemode.protocol import strict_json
 from codemode.protocol.constants import (
     CALLBACK_GRACE,
@@ -115,28 +115,16 @@ class GrpcAddress:
     @classmethod
     def parse(cls, url: str) -> GrpcAddress:
         """Parse a listen URL; raise :class:`ValueError` saying what is wrong with it."""
-        parts = urlsplit(url)
-        if parts.scheme != "grpc":
-            raise ValueError(f"{url}: expected grpc://ADDR:PORT")
-        if parts.path not in ("", "/") or parts.query or parts.fragment:
-            raise ValueError(f"{url}: a gRPC listen URL has no path, query or fragment")
-        if parts.username or parts.password:
-            raise ValueError(f"{url}: a listen URL has no user")
-        try:
-            port = parts.port
-        except ValueError:
-            raise ValueError(f"{url}: the port must be 0-65535") from None
-        if port is None:
-            raise ValueError(f"{url}: a port is required (0 picks a free one)")
-        return cls(parts.hostname or "127.0.0.1", port)
+        parts, host, port = split_listen_url(url, "grpc", "grpc://ADDR:PORT")
+        if parts.path not in ("", "/"):
+            raise ValueError(f"{url}: a gRPC listen URL has no path")
+        return cls(host, port)
 
     def bind_target(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
+        return f"{bracketed(self.host)}:{self.port}"
 
     def url(self, port: int | None = None) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"grpc://{host}:{self.port if port is None else port}"
+        return f"grpc://{bracketed(self.host)}:{self.port if port is None else port}"
 
 
 @dataclass(frozen=True, slots=True)

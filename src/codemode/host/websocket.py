@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.http11 import Request, Response
 
+from codemode.host.address import bracketed, split_listen_url
 from codemode.host.v1 import HostOptions, V1HostConnection
 from codemode.protocol.constants import DUAL_WEBSOCKET_CAPABILITY, MAX_WEBSOCKET_MESSAGE_BYTES
 from codemode.session import CodeModeSessionProvider
@@ -59,25 +60,13 @@ class WebSocketAddress:
     @classmethod
     def parse(cls, url: str) -> WebSocketAddress:
         """Parse a listen URL; raise :class:`ValueError` saying what is wrong with it."""
-        parts = urlsplit(url)
-        if parts.scheme != "ws":
-            raise ValueError(f"{url}: expected ws://ADDR:PORT[/PATH]")
-        if parts.query or parts.fragment or parts.username or parts.password:
-            raise ValueError(f"{url}: a listen URL has no query, fragment or user")
-        try:
-            port = parts.port
-        except ValueError:
-            raise ValueError(f"{url}: the port must be 0-65535") from None
-        if port is None:
-            raise ValueError(f"{url}: a port is required (0 picks a free one)")
-        host = parts.hostname or "127.0.0.1"
+        parts, host, port = split_listen_url(url, "ws", "ws://ADDR:PORT[/PATH]")
         return cls(host, port, parts.path or "/")
 
     def url(self, port: int | None = None) -> str:
         """The control URL clients connect to (no trailing slash for the root path)."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
         path = "" if self.path == "/" else self.path
-        return f"ws://{host}:{self.port if port is None else port}{path}"
+        return f"ws://{bracketed(self.host)}:{self.port if port is None else port}{path}"
 
 
 def is_loopback(host: str) -> bool:
