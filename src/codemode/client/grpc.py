@@ -48,7 +48,7 @@ from codemode.protocol.delegation import (
 )
 from codemode.protocol.grpc import conversions, texts
 from codemode.protocol.grpc import v1_pb2 as pb
-from codemode.protocol.grpc.constants import MAX_MESSAGE_BYTES
+from codemode.protocol.grpc.constants import MAX_IDENTIFIER_BYTES, MAX_MESSAGE_BYTES
 from codemode.protocol.grpc.identifiers import (
     check_host_identifier,
     check_invocation_id,
@@ -235,6 +235,8 @@ class GrpcSession(CodeModeSession):
         self._cells: dict[str, _Execution] = {}
         self._retired = _Bounded()
         self._invocations: dict[str, _Callback] = {}
+        # Answered invocations whose CompleteToolCall is on its way (a cancellation may cross it).
+        self._completing: dict[str, _Callback] = {}
         self._notifications: dict[str, _Callback] = {}
         self._seen_invocations = _Bounded()
         self._early_cancellations = _Bounded()
@@ -270,6 +272,7 @@ class GrpcSession(CodeModeSession):
     async def shutdown(self) -> None:
         """Close the session on the host (idempotent, shared by concurrent callers)."""
         if self._shutdown is None:
+            self._closing = True  # from now on nothing new starts (§13.6)
             self._shutdown = self._loop.create_task(self._close())
         await asyncio.shield(self._shutdown)
 
@@ -390,6 +393,8 @@ class GrpcSession(CodeModeSession):
     async def execute(self, request: ExecuteRequest) -> StartedCell:
         """Admit a cell on the host; its first outcome is ``initial_response()``."""
         self._check_usable()
+        if len(request.tool_call_id.encode("utf-8", "surrogatepass")) > MAX_IDENTIFIER_BYTES:
+            raise CodeModeError(texts.host_returned_long_identifier("tool call ID"))
         execution_id = str(uuid.uuid4())
         try:
             proto = conversions.execute_request_to_proto(
@@ -502,8 +507,14 @@ class GrpcSession(CodeModeSession):
             await asyncio.wait(tasks, timeout=CANCELLED_CALLBACK_GRACE)
 
     def _abandon(self, record: _Execution, call: Any) -> None:
-        """The caller dropped the started cell before its initial response (§5)."""
+        """The caller dropped the started cell before its initial response (§5): its tool
+        callbacks are cancelled at once, and the host is asked to terminate it."""
         call.cancel()
+        for invocation_id in list(record.invocations):
+            callback = self._invocations.get(invocation_id)
+            if callback is not None:
+                callback.cancelled = True
+                callback.token.cancel()
         cell_id = record.cell_id
         if not self._stopped and not self._closing and cell_id is not None and not record.closed:
             request = pb.TerminateRequest(session_id=self.session_id, cell_id=cell_id)
@@ -688,7 +699,7 @@ class GrpcSession(CodeModeSession):
 
     def _on_tool_call_cancelled(self, invocation_id: str) -> None:
         check_invocation_id(invocation_id)
-        callback = self._invocations.get(invocation_id)
+        callback = self._invocations.get(invocation_id) or self._completing.get(invocation_id)
         if callback is not None:
             callback.cancelled = True
             callback.token.cancel()
@@ -891,6 +902,9 @@ class GrpcSession(CodeModeSession):
     async def _complete(
         self, request: pb.CompleteToolCallRequest, callback: _Callback | None
     ) -> None:
+        invocation_id = request.invocation_id
+        if callback is not None:
+            self._completing[invocation_id] = callback
         try:
             await self._race(
                 "tool invocation completion",
@@ -905,6 +919,8 @@ class GrpcSession(CodeModeSession):
             if callback is None and self._closing:
                 return
             self._fail(error.message)
+        finally:
+            self._completing.pop(invocation_id, None)
 
     def __repr__(self) -> str:
         return f"GrpcSession({self.session_id!r})"
