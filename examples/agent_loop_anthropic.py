@@ -14,9 +14,10 @@ comment in :func:`agent_loop` shows how.
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Callable
 from typing import Any
+
+from weather_agent import FIRST_CELL, RUNNING, SLOW_CELL, add_tools
 
 from codemode import CellId, CodeMode, ToolRegistry
 
@@ -36,60 +37,9 @@ def on_notify(call_id: str, cell_id: CellId, text: str) -> None:
 
 
 registry = ToolRegistry(on_notify=on_notify)
-registry.describe_namespace("stats", "Small statistics helpers.")
-
-_WEATHER = {"paris": (18, "cloudy"), "lisbon": (24, "sunny"), "oslo": (9, "rain")}
-
-
-@registry.tool
-async def weather(city: str) -> dict[str, Any]:
-    """Current weather of a city: `{ city, celsius, sky }`."""
-    await asyncio.sleep(0.05)  # stands in for a remote API
-    key = city.lower()
-    if key not in _WEATHER:
-        raise ValueError(f"unknown city {city!r}")
-    celsius, sky = _WEATHER[key]
-    return {"city": city, "celsius": celsius, "sky": sky}
-
-
-@registry.tool
-async def forecast(city: str, days: int = 3) -> list[str]:
-    """A slow multi-day forecast: one sky description per day."""
-    await asyncio.sleep(1.0)  # long enough for the cell to yield to the model first
-    _, sky = _WEATHER.get(city.lower(), (0, "unknown"))
-    return [sky if day % 2 == 0 else "clear" for day in range(days)]
-
-
-@registry.tool(namespace="stats")
-def mean(values: list[float]) -> float:
-    """Arithmetic mean of a non-empty list of numbers."""
-    return sum(values) / len(values)
-
+add_tools(registry)  # weather, forecast, stats.mean: examples/weather_agent.py
 
 # --- a stand-in for the model --------------------------------------------------------------------
-
-FIRST_CELL = """\
-const cities = ["Paris", "Lisbon", "Oslo"];
-notify(`looking up ${cities.length} cities`);
-const reports = await Promise.all(cities.map((city) => tools.weather({ city })));
-for (const r of reports) text(`${r.city}: ${r.celsius}°C, ${r.sky}`);
-const average = await tools.stats__mean({ values: reports.map((r) => r.celsius) });
-store("average", average);
-text(`average: ${average.toFixed(1)}°C`);
-try {
-  await tools.weather({ city: "Atlantis" });
-} catch (error) {
-  text(`expected failure: ${error}`);
-}"""
-
-# The pragma asks for the first answer after 200 ms; the forecast takes a second.
-SLOW_CELL = """\
-// @exec: {"yield_time_ms": 200}
-text("forecast requested");
-const days = await tools.forecast({ city: "Oslo", days: 3 });
-text(`Oslo: ${days.join(", ")}; today's average was ${load("average").toFixed(1)}°C`);"""
-
-_RUNNING = re.compile(r"^Script running with cell ID (\S+)$", re.MULTILINE)
 
 
 def result_text(message: Item) -> str:
@@ -127,7 +77,7 @@ class ScriptedModel:
     @staticmethod
     def _wait_for_the_running_cell(messages: list[Item]) -> list[Item]:
         # The cell id comes from the exec output, exactly as a model would read it.
-        match = _RUNNING.search(result_text(messages[-1]))
+        match = RUNNING.search(result_text(messages[-1]))
         if match is None:
             raise RuntimeError("expected the forecast cell to be still running")
         arguments = {"cell_id": match.group(1), "yield_time_ms": 10_000}
