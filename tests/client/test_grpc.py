@@ -8,6 +8,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # before grpc: see c
 
 import asyncio
 import contextlib
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -157,8 +158,10 @@ async def test_host_death_fails_pending_calls_promptly(host: GrpcHost) -> None:
     assert time.monotonic() - began < 5
     assert not session.is_alive()
     assert delegate.closed == [started.cell_id.value]
-    with pytest.raises(ConnectionClosed):
+    # The next execute tries to reconnect (§13.8): the host is gone, so opening fails.
+    with pytest.raises(CodeModeError) as caught:
         await session.execute(ExecuteRequest("c", "text(1)"))
+    assert str(caught.value).startswith("gRPC code-mode session opening failed: UNAVAILABLE: ")
     await session.shutdown()
     await provider.aclose()
 
@@ -400,6 +403,73 @@ async def test_bad_session_events_fail_the_session(
     await servicer.lease.put(pb.SessionEvent())
     await eventually(lambda: not session.is_alive())
     assert session.failure == texts.LEASE_EMPTY_EVENT
-    with pytest.raises(ConnectionClosed) as caught:
+    # A call created before the reconnect reports the replacement (§13.8).
+    with pytest.raises(CodeModeError) as caught:
         await session.execute(ExecuteRequest("c", ""))
-    assert str(caught.value) == texts.LEASE_EMPTY_EVENT
+    assert str(caught.value) == texts.RUNTIME_REPLACED
+
+
+async def _host_process(port: int) -> tuple[asyncio.subprocess.Process, str]:
+    child = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "codemode",
+        "host",
+        "--listen",
+        f"grpc://127.0.0.1:{port}",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    assert child.stdout is not None
+    url = (await asyncio.wait_for(child.stdout.readline(), 30)).decode().strip()
+    assert url.startswith("grpc://127.0.0.1:"), url
+    return child, url
+
+
+@pytest.mark.timeout(90)
+async def test_a_restarted_host_process_is_a_new_generation() -> None:
+    """The host process is killed under a live session and started again on the same port: the
+    pending wait fails, the first execute created before the reconnect reports the replacement
+    (exact text), the next runs as ``g2:1`` on an empty store, and old ids are refused."""
+    child, url = await _host_process(0)
+    port = int(url.rsplit(":", 1)[1])
+    provider = GrpcCodeModeSessionProvider(url)
+    delegate = Delegate()
+    try:
+        session = await provider.create_session(delegate)
+        stored = await session.execute(ExecuteRequest("c", 'store("k", 1); text(load("k"))'))
+        assert await stored.initial_response() == Result(CellId("1"), [InputText("1")])
+        running = await session.execute(
+            ExecuteRequest("c", "await new Promise(() => {})", yield_time_ms=1)
+        )
+        await running.initial_response()
+        waiting = asyncio.create_task(session.wait(WaitRequest(running.cell_id, 60_000)))
+        await asyncio.sleep(0.2)
+        child.kill()
+        await child.wait()
+        with pytest.raises(ConnectionClosed):
+            await asyncio.wait_for(waiting, 10)
+        await eventually(lambda: sorted(delegate.closed) == ["1", "2"])
+        assert not session.is_alive()
+        child, _ = await _host_process(port)
+        with pytest.raises(CodeModeError) as caught:
+            await session.execute(ExecuteRequest("c", "text(1)"))
+        assert str(caught.value) == (
+            "The exec runtime was replaced. Stored values and running cells were lost. Prior "
+            "external tool operations may have completed; inspect their results before "
+            "retrying. You may continue with a fresh exec call."
+        )
+        fresh = await session.execute(ExecuteRequest("c", 'text(String(load("k")))'))
+        assert fresh.cell_id == CellId("g2:1")
+        assert await fresh.initial_response() == Result(CellId("g2:1"), [InputText("undefined")])
+        with pytest.raises(CodeModeError) as caught:
+            await session.terminate(running.cell_id)
+        assert str(caught.value) == texts.STALE_GENERATION
+        assert session.is_alive() and session.generation == 2
+        await session.shutdown()
+        assert sorted(delegate.closed) == ["1", "2", "g2:1"]
+    finally:
+        await provider.aclose()
+        if child.returncode is None:
+            child.terminate()
+            await child.wait()

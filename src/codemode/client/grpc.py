@@ -1,27 +1,26 @@
 """Remote sessions on a gRPC host (``grpc.md`` §4-§13): the client side of ``codex.code_mode.v1``.
 
 :class:`GrpcCodeModeSessionProvider` shares one ``grpc.aio`` channel among its sessions. Each
-:class:`GrpcSession` holds its lease (``OpenSession``) and one empty-filter tool subscription;
-delegate callbacks run through :func:`~codemode.session.serve_callback` and are answered with
-``CompleteToolCall`` / ``AcknowledgeNotification``. Losing the lease or the subscription, a host
-that breaks the protocol, or ``NOT_FOUND`` on a session rpc fails the session: every pending call
-raises :class:`~codemode.errors.ConnectionClosed` with the reason and :meth:`GrpcSession.is_alive`
-turns false for good.
-
-Not implemented yet: generations and reconnect (§13.8; a failed session stays failed, as over
-Protocol V1), route-loss markers (§4.3; the route token itself is replayed), the early-yield
-(``YieldObservation``) signal.
+:class:`GrpcSession` is bound to one gRPC session at a time (a lease from ``OpenSession`` and one
+empty-filter tool subscription); delegate callbacks run through
+:func:`~codemode.session.serve_callback` and are answered with ``CompleteToolCall`` /
+``AcknowledgeNotification``. Losing the lease or the subscription, a host that breaks the
+protocol, ``NOT_FOUND`` on a session rpc or a lost route fails the binding: every pending call
+raises :class:`~codemode.errors.ConnectionClosed` with the reason, and the next ``execute`` or
+``wait`` binds a new generation (§13.8).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import uuid
+import weakref
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Final, TypeVar
@@ -62,6 +61,7 @@ from codemode.protocol.types import (
     CodeModeToolKind,
     ExecuteRequest,
     LiveCell,
+    MissingCell,
     RuntimeResponse,
     WaitOutcome,
     WaitRequest,
@@ -98,6 +98,8 @@ ADMISSION_ATTEMPTS: Final = 5
 ADMISSION_BACKOFF: Final = (0.1, 0.2, 0.4, 0.8)
 #: §4.3 the routing token's metadata key.
 ROUTE_KEY: Final = "x-code-mode-route"
+#: §4.3 the marker of a router that lost the session.
+ROUTE_LOST_KEY: Final = "x-code-mode-route-lost"
 #: The metadata key of the bearer token (``grpc.md`` §1: shared with the WebSocket listener).
 AUTHORIZATION_KEY: Final = "authorization"
 #: How long a session's shutdown waits for the lease to end after ``CloseSession``.
@@ -153,6 +155,15 @@ def _status_text(error: aio.AioRpcError) -> tuple[str, str]:
     return code.name, error.details() or ""
 
 
+def _route_lost(error: aio.AioRpcError) -> bool:
+    """Whether a failed rpc's status metadata carries ``x-code-mode-route-lost: true`` (§4.3)."""
+    for metadata in (error.initial_metadata(), error.trailing_metadata()):
+        for key, value in metadata or ():
+            if key == ROUTE_LOST_KEY and value == "true":
+                return True
+    return False
+
+
 def _quiet(task: asyncio.Future[Any]) -> None:
     task.add_done_callback(lambda done: done.cancelled() or done.exception())
 
@@ -203,24 +214,31 @@ class _Callback:
     task: asyncio.Task[None] | None = None
 
 
-class GrpcSession(CodeModeSession):
-    """A :class:`~codemode.session.CodeModeSession` served by a gRPC host (one lease)."""
+class _Binding:
+    """One gRPC session of a :class:`GrpcSession` (§13.8): its lease, its subscription, its cells.
+
+    Ids cross this boundary mapped to the binding's generation: wire ``42`` is public ``42`` in
+    generation 1 and ``gN:42`` in generation N >= 2 (callers and the delegate see public ids).
+    Once stopped, a binding never comes back; the :class:`GrpcSession` opens the next one.
+    """
 
     def __init__(
         self,
-        provider: GrpcCodeModeSessionProvider,
         *,
         stub: Any,
         delegate: CodeModeSessionDelegate,
         session_id: str,
         lease: Any,
         route: str | None,
+        generation: int,
         auth: Metadata = (),
     ) -> None:
-        self._provider = provider
         self._stub = stub
         self._delegate = delegate
         self.session_id = session_id
+        self.generation = generation
+        self._prefix = "" if generation == 1 else f"g{generation}:"
+        self._routed = route is not None
         self._lease = lease
         # Every call carries the bearer token (if any) and replays the route token (§4.3).
         metadata = auth if route is None else (*auth, (ROUTE_KEY, route))
@@ -261,8 +279,24 @@ class GrpcSession(CodeModeSession):
         ]
 
     def is_alive(self) -> bool:
-        """False once the session failed or was shut down; it never comes back."""
+        """False once the binding failed or was shut down; it never comes back."""
         return not self._stopped and not self._closing
+
+    def _public(self, wire_id: str) -> str:
+        return self._prefix + wire_id
+
+    def _wire(self, cell_id: CellId) -> str:
+        """The host's id of a public cell id (§13.8), or the stale-generation error."""
+        if not self._prefix:
+            return cell_id.value
+        if not cell_id.value.startswith(self._prefix):
+            raise CodeModeError(texts.STALE_GENERATION)
+        return cell_id.value[len(self._prefix) :]
+
+    def _mapped(self, response: RuntimeResponse) -> RuntimeResponse:
+        if not self._prefix:
+            return response
+        return dataclasses.replace(response, cell_id=CellId(self._public(response.cell_id.value)))
 
     @property
     def failure(self) -> str | None:
@@ -319,7 +353,6 @@ class GrpcSession(CodeModeSession):
             record.claimed = record.closed = True
             record.notifications = 0
             self._release(record)
-        self._provider._forget(self)
 
     def _stopped_error(self) -> CodeModeError:
         if self._failure is not None:
@@ -372,9 +405,12 @@ class GrpcSession(CodeModeSession):
         """§12.2: what a failed rpc means for its caller and the session."""
         code = error.code()
         name, message = _status_text(error)
+        text = texts.operation_failed(operation, name, message)
+        if self._routed and _route_lost(error):
+            self._fail(text)  # §4.3: the router lost the session, like NOT_FOUND
+            return ConnectionClosed(text)
         if code == grpc.StatusCode.FAILED_PRECONDITION:
             return CodeModeError(message)
-        text = texts.operation_failed(operation, name, message)
         if code == grpc.StatusCode.NOT_FOUND and operation in _SESSION_OPERATIONS:
             self._fail(text)
             return ConnectionClosed(text)
@@ -390,7 +426,9 @@ class GrpcSession(CodeModeSession):
 
     # -- execute ----------------------------------------------------------------------------------
 
-    async def execute(self, request: ExecuteRequest) -> StartedCell:
+    async def execute(
+        self, request: ExecuteRequest, *, early_yield: asyncio.Event | None = None
+    ) -> StartedCell:
         """Admit a cell on the host; its first outcome is ``initial_response()``."""
         self._check_usable()
         if len(request.tool_call_id.encode("utf-8", "surrogatepass")) > MAX_IDENTIFIER_BYTES:
@@ -409,16 +447,21 @@ class GrpcSession(CodeModeSession):
         record = _Execution(execution_id, request.tool_call_id, tools)
         self._executions[execution_id] = record  # before sending: callbacks may overtake started
         call = self._stub.Execute(proto, metadata=self._metadata)
+        yielding = self._yield_early(early_yield, execution_id=execution_id)
         try:
             cell_id = await self._started(record, call)
         except asyncio.CancelledError:
             # Abandoned before admission: the host terminates an admitted cell; its CellClosed
             # releases the record (or, never admitted, nothing follows).
+            if yielding is not None:
+                yielding.cancel()
             call.cancel()
             record.claimed = True
             self._maybe_release(record)
             raise
         except BaseException:
+            if yielding is not None:
+                yielding.cancel()
             call.cancel()
             if record.cell_id is None:
                 self._executions.pop(execution_id, None)
@@ -427,9 +470,9 @@ class GrpcSession(CodeModeSession):
                 self._maybe_release(record)
             raise
         yield_ms = DEFAULT_YIELD_TIME_MS if request.yield_time_ms is None else request.yield_time_ms
-        initial = self._initial(record, call, cell_id, yield_ms / 1000 + 1)
+        initial = self._initial(record, call, cell_id, yield_ms / 1000 + 1, yielding)
         started = StartedCell.from_awaitable(
-            CellId(cell_id), initial, partial(self._abandon, record, call)
+            CellId(self._public(cell_id)), initial, partial(self._abandon, record, call)
         )
         record.claimed = True
         self._maybe_release(record)
@@ -457,13 +500,21 @@ class GrpcSession(CodeModeSession):
         return str(started.cell_id)
 
     async def _initial(
-        self, record: _Execution, call: Any, cell_id: str, allowance: float
+        self,
+        record: _Execution,
+        call: Any,
+        cell_id: str,
+        allowance: float,
+        yielding: asyncio.Task[None] | None,
     ) -> RuntimeResponse:
         try:
             event = await self._race("execution", call.read(), allowance)
         except asyncio.CancelledError:
             call.cancel()
             raise
+        finally:
+            if yielding is not None:
+                yielding.cancel()
         if event is aio.EOF:
             raise CodeModeError(texts.EXECUTION_OMITTED_INITIAL_OUTCOME)
         if event.WhichOneof("event") != "outcome":
@@ -474,7 +525,7 @@ class GrpcSession(CodeModeSession):
             self._fail(reason)
             raise ConnectionClosed(reason)
         await self._finished(record, response)
-        return response
+        return self._mapped(response)
 
     async def _finished(self, record: _Execution | None, response: RuntimeResponse) -> None:
         """A terminal outcome: the host no longer waits for the cell's tool calls, whose
@@ -541,12 +592,14 @@ class GrpcSession(CodeModeSession):
 
     # -- wait / terminate -------------------------------------------------------------------------
 
-    async def wait(self, request: WaitRequest) -> WaitOutcome:
+    async def wait(
+        self, request: WaitRequest, *, early_yield: asyncio.Event | None = None
+    ) -> WaitOutcome:
         """Observe a cell for up to ``request.yield_time_ms`` (one wait per cell at a time)."""
+        key = self._wire(request.cell_id)
         self._check_usable()
-        key = request.cell_id.value
         if key in self._observing:
-            raise CodeModeError(f"exec cell {key} already has an active observer")
+            raise CodeModeError(f"exec cell {request.cell_id} already has an active observer")
         self._observing.add(key)
         try:
             retiring = self._retiring.get(key)
@@ -556,19 +609,22 @@ class GrpcSession(CodeModeSession):
             wait_id = str(uuid.uuid4())
             try:
                 proto = conversions.wait_request_to_proto(
-                    request, session_id=self.session_id, wait_id=wait_id
+                    dataclasses.replace(request, cell_id=CellId(key)),
+                    session_id=self.session_id,
+                    wait_id=wait_id,
                 )
             except WireConversionError as error:
                 raise CodeModeError(error.message) from None
+            call = self._stub.Wait(proto, metadata=self._metadata)
+            yielding = self._yield_early(early_yield, wait_id=wait_id)
             try:
-                response = await self._race(
-                    "wait",
-                    self._stub.Wait(proto, metadata=self._metadata),
-                    request.yield_time_ms / 1000 + 1,
-                )
+                response = await self._race("wait", call, request.yield_time_ms / 1000 + 1)
             except asyncio.CancelledError:
                 self._retire_wait(key, wait_id)
                 raise
+            finally:
+                if yielding is not None:
+                    yielding.cancel()
         finally:
             self._observing.discard(key)
         return await self._checked_outcome(response, key)
@@ -582,7 +638,28 @@ class GrpcSession(CodeModeSession):
             raise ConnectionClosed(reason)
         if isinstance(outcome, LiveCell):
             await self._finished(self._cells.get(cell_id), outcome.response)
-        return outcome
+            return LiveCell(self._mapped(outcome.response))
+        return MissingCell(self._mapped(outcome.response))
+
+    def _yield_early(
+        self, signal: asyncio.Event | None, **observation: str
+    ) -> asyncio.Task[None] | None:
+        """Send ``YieldObservation`` for ``observation`` once ``signal`` is set (§8.4)."""
+        if signal is None:
+            return None
+
+        async def watch() -> None:
+            await signal.wait()
+            request = pb.YieldObservationRequest(session_id=self.session_id, **observation)
+            call = self._stub.YieldObservation(request, metadata=self._metadata)
+            try:
+                await self._race("yield observation", call, 0.0)
+            except CodeModeError as error:
+                logger.debug("YieldObservation failed: %s", error)
+
+        task = self._loop.create_task(watch(), name="codemode-grpc-early-yield")
+        _quiet(task)
+        return task
 
     def _retire_wait(self, key: str, wait_id: str) -> None:
         if self._stopped:
@@ -611,15 +688,16 @@ class GrpcSession(CodeModeSession):
 
     async def terminate(self, cell_id: CellId) -> WaitOutcome:
         """Stop a cell and return its final outcome."""
+        wire_id = self._wire(cell_id)
         self._check_usable()
-        request = pb.TerminateRequest(session_id=self.session_id, cell_id=cell_id.value)
+        request = pb.TerminateRequest(session_id=self.session_id, cell_id=wire_id)
         task = asyncio.ensure_future(
             self._race("termination", self._stub.Terminate(request, metadata=self._metadata), 0.0)
         )
         # Cancelled, the terminate goes on; its answer is discarded.
         self._keep(task)
         response = await asyncio.shield(task)
-        return await self._checked_outcome(response, cell_id.value)
+        return await self._checked_outcome(response, wire_id)
 
     # -- cells ---------------------------------------------------------------------------------------
 
@@ -651,7 +729,7 @@ class GrpcSession(CodeModeSession):
         if self._cells.get(cell_id) is record:
             del self._cells[cell_id]
         try:
-            self._delegate.cell_closed(CellId(cell_id))
+            self._delegate.cell_closed(CellId(self._public(cell_id)))
         except Exception:
             logger.exception("cell_closed(%s) failed", cell_id)
 
@@ -743,7 +821,7 @@ class GrpcSession(CodeModeSession):
         self._notifications[notification_id] = callback
         record.notifications += 1
         call = self._delegate.notify(
-            call_id, CellId(record.cell_id or ""), notification.text, token
+            call_id, CellId(self._public(record.cell_id or "")), notification.text, token
         )
         task = serve_callback(
             call, partial(self._notified, notification_id, callback), notification=True
@@ -859,6 +937,10 @@ class GrpcSession(CodeModeSession):
             token.cancel()
         self._invocations[invocation_id] = callback
         record.invocations.add(invocation_id)
+        if self._prefix:
+            invocation = dataclasses.replace(
+                invocation, cell_id=CellId(self._public(invocation.cell_id.value))
+            )
         task = serve_callback(
             self._delegate.invoke_tool(invocation, token),
             partial(self._invoked, invocation_id, callback),
@@ -923,7 +1005,157 @@ class GrpcSession(CodeModeSession):
             self._completing.pop(invocation_id, None)
 
     def __repr__(self) -> str:
-        return f"GrpcSession({self.session_id!r})"
+        return f"<gRPC binding {self.session_id!r}, generation {self.generation}>"
+
+
+class GrpcSession(CodeModeSession):
+    """A :class:`~codemode.session.CodeModeSession` served by a gRPC host, reconnecting (§13.8).
+
+    It wraps a binding to one gRPC session (its lease) of generation 1, 2, 3, ... When that session
+    is lost (the host restarted, the router lost it, ``NOT_FOUND``), the next :meth:`execute` or
+    :meth:`wait` opens a new one. Calls created before the reconnect fail with
+    :data:`~codemode.protocol.grpc.texts.RUNTIME_REPLACED` (stored values and running cells are
+    gone; nothing is re-sent); calls created after run on the new generation, whose cell ids are
+    ``g2:1``, ``g2:2``, ... Ids of an older generation are refused.
+
+    ``early_yield`` (an :class:`asyncio.Event`) on :meth:`execute` and :meth:`wait` ends that
+    observation early once set, without stopping the cell (``YieldObservation``, §8.4).
+    """
+
+    def __init__(
+        self,
+        provider: GrpcCodeModeSessionProvider,
+        delegate: CodeModeSessionDelegate,
+        request: pb.OpenSessionRequest,
+        binding: _Binding,
+    ) -> None:
+        self._provider = provider
+        self._delegate = delegate
+        self._request = request
+        self._binding: _Binding | None = binding
+        self._last_generation = binding.generation
+        self._loop = asyncio.get_running_loop()
+        self._opening: asyncio.Task[_Binding] | None = None
+        self._closing = False
+        self._shutdown: asyncio.Task[None] | None = None
+
+    @property
+    def session_id(self) -> str:
+        """The id of the current gRPC session ("" between a failed reopen and the next)."""
+        return "" if self._binding is None else self._binding.session_id
+
+    @property
+    def generation(self) -> int:
+        """The current binding's generation (1 until the first reconnect; 0 with none)."""
+        return 0 if self._binding is None else self._binding.generation
+
+    @property
+    def failure(self) -> str | None:
+        """Why the current binding failed, or ``None``."""
+        return None if self._binding is None else self._binding.failure
+
+    def is_alive(self) -> bool:
+        """False once shut down, and while the current binding is lost (the next execute or
+        wait reconnects)."""
+        return not self._closing and self._binding is not None and self._binding.is_alive()
+
+    def execute(  # not ``async def``: the generation is captured when the call is created
+        self, request: ExecuteRequest, *, early_yield: asyncio.Event | None = None
+    ) -> Coroutine[Any, Any, StartedCell]:
+        """Admit a cell; its first outcome is ``initial_response()``."""
+        return self._execute(request, self.generation, early_yield)
+
+    async def _execute(
+        self, request: ExecuteRequest, generation: int, early_yield: asyncio.Event | None
+    ) -> StartedCell:
+        binding = await self._bound(generation)
+        return await binding.execute(request, early_yield=early_yield)
+
+    def wait(  # not ``async def``: the generation is captured when the call is created
+        self, request: WaitRequest, *, early_yield: asyncio.Event | None = None
+    ) -> Coroutine[Any, Any, WaitOutcome]:
+        """Observe a cell for up to ``request.yield_time_ms`` (one wait per cell at a time)."""
+        return self._wait(request, self.generation, early_yield)
+
+    async def _wait(
+        self, request: WaitRequest, generation: int, early_yield: asyncio.Event | None
+    ) -> WaitOutcome:
+        binding = await self._bound(generation)
+        return await binding.wait(request, early_yield=early_yield)
+
+    async def terminate(self, cell_id: CellId) -> WaitOutcome:
+        """Stop a cell and return its final outcome (never reconnects)."""
+        binding = self._binding
+        if self._closing or binding is None:
+            raise CodeModeError(SESSION_SHUTTING_DOWN)
+        return await binding.terminate(cell_id)
+
+    async def _bound(self, generation: int) -> _Binding:
+        """The binding a call created in ``generation`` runs on; reconnects a lost one (§13.8)."""
+        if self._closing:
+            raise CodeModeError(SESSION_SHUTTING_DOWN)
+        binding = self._binding
+        if binding is None or not binding.is_alive():
+            if self._opening is None:
+                self._opening = self._loop.create_task(self._reopen(), name="codemode-grpc-reopen")
+                _quiet(self._opening)
+            opening = self._opening
+            try:
+                binding = await asyncio.shield(opening)
+            except asyncio.CancelledError:
+                if opening.cancelled() and self._closing:
+                    raise CodeModeError(SESSION_SHUTTING_DOWN) from None
+                raise
+        if binding.generation != generation:
+            raise CodeModeError(texts.RUNTIME_REPLACED)
+        return binding
+
+    async def _reopen(self) -> _Binding:
+        old = self._binding
+        try:
+            if old is not None:
+                self._binding = None
+                await old.shutdown()
+            generation = self._last_generation + 1
+            binding = await self._provider._open_binding(self._request, self._delegate, generation)
+            logger.info(
+                "gRPC code-mode session reconnected: generation %d, session %s",
+                generation,
+                binding.session_id,
+            )
+            self._binding = binding
+            self._last_generation = generation
+            return binding
+        finally:
+            self._opening = None
+
+    async def shutdown(self) -> None:
+        """Close the session on the host (idempotent, shared by concurrent callers)."""
+        if self._shutdown is None:
+            self._closing = True  # from now on nothing new starts (§13.6)
+            if self._opening is not None:
+                self._opening.cancel()
+            self._shutdown = self._loop.create_task(self._close())
+        await asyncio.shield(self._shutdown)
+
+    async def _close(self) -> None:
+        opening = self._opening
+        if opening is not None:
+            await asyncio.wait((opening,))
+        if self._binding is not None:
+            await self._binding.shutdown()
+        self._provider._forget(self)
+
+    def __del__(self) -> None:
+        # Dropped without shutdown() (§13.6): shut the binding down on the session's loop.
+        binding = self._binding
+        if self._closing or binding is None or not binding.is_alive():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing left to tell
+            self._loop.call_soon_threadsafe(self._provider._shut_down_dropped, binding)
+
+    def __repr__(self) -> str:
+        return f"GrpcSession({self.session_id!r}, generation={self.generation})"
 
 
 class GrpcCodeModeSessionProvider(CodeModeSessionProvider):
@@ -954,7 +1186,9 @@ class GrpcCodeModeSessionProvider(CodeModeSessionProvider):
         self._open_timeout = open_timeout
         self._channel: aio.Channel | None = None
         self._stub: Any = None
-        self._sessions: set[GrpcSession] = set()
+        # Weak: a session dropped without shutdown() shuts itself down (§13.6).
+        self._sessions: weakref.WeakSet[GrpcSession] = weakref.WeakSet()
+        self._background: set[asyncio.Task[Any]] = set()
         self._closed = False
 
     def _connect(self) -> Any:
@@ -985,10 +1219,19 @@ class GrpcCodeModeSessionProvider(CodeModeSessionProvider):
             request = conversions.open_session_request(limits)
         except WireConversionError as error:
             raise CodeModeError(error.message) from None
+        binding = await self._open_binding(request, delegate, 1)
+        session = GrpcSession(self, delegate, request, binding)
+        self._sessions.add(session)
+        return session
+
+    async def _open_binding(
+        self, request: pb.OpenSessionRequest, delegate: CodeModeSessionDelegate, generation: int
+    ) -> _Binding:
+        """Admit one gRPC session: ``OpenSession``, ``SessionOpened``, the subscription (§13.2)."""
         stub = self._connect()
         for attempt in range(ADMISSION_ATTEMPTS):
             try:
-                session = await self._open(stub, request, delegate)
+                return await self._open(stub, request, delegate, generation)
             except aio.AioRpcError as error:
                 if error.code() in _RETRIED_ADMISSION and attempt + 1 < ADMISSION_ATTEMPTS:
                     await asyncio.sleep(ADMISSION_BACKOFF[attempt])
@@ -996,13 +1239,15 @@ class GrpcCodeModeSessionProvider(CodeModeSessionProvider):
                 raise CodeModeError(
                     texts.operation_failed("session opening", *_status_text(error))
                 ) from None
-            self._sessions.add(session)
-            return session
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _open(
-        self, stub: Any, request: pb.OpenSessionRequest, delegate: CodeModeSessionDelegate
-    ) -> GrpcSession:
+        self,
+        stub: Any,
+        request: pb.OpenSessionRequest,
+        delegate: CodeModeSessionDelegate,
+        generation: int,
+    ) -> _Binding:
         lease = stub.OpenSession(request, metadata=self._auth or None)
         try:
             async with asyncio.timeout(self._open_timeout):
@@ -1026,26 +1271,34 @@ class GrpcCodeModeSessionProvider(CodeModeSessionProvider):
         except CodeModeError:
             lease.cancel()
             raise
-        session = GrpcSession(
-            self,
+        binding = _Binding(
             stub=stub,
             delegate=delegate,
             session_id=session_id,
             lease=lease,
             route=None if route is None else str(route),
+            generation=generation,
             auth=self._auth,
         )
-        session._start()
-        return session
+        binding._start()
+        return binding
 
     def _forget(self, session: GrpcSession) -> None:
         self._sessions.discard(session)
 
+    def _shut_down_dropped(self, binding: _Binding) -> None:
+        task = asyncio.ensure_future(binding.shutdown())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        _quiet(task)
+
     async def aclose(self) -> None:
         """Shut down every session, then close the channel."""
         self._closed = True
-        sessions, self._sessions = list(self._sessions), set()
+        sessions, self._sessions = list(self._sessions), weakref.WeakSet()
         await asyncio.gather(*(session.shutdown() for session in sessions), return_exceptions=True)
+        if self._background:
+            await asyncio.wait(self._background, timeout=LEASE_DRAIN_TIMEOUT)
         channel, self._channel = self._channel, None
         if channel is not None:
             await channel.close()

@@ -246,6 +246,15 @@ GRPC_SESSION_IS_CLOSED: Final = "code-mode gRPC session is closed"
 #: §13.3 a request racing with a session that has already stopped.
 GRPC_SESSION_CLOSED: Final = "gRPC code-mode session closed"
 
+#: §13.8 what an ``execute`` or ``wait`` created before a reconnect fails with (the model reads it).
+RUNTIME_REPLACED: Final = (
+    "The exec runtime was replaced. Stored values and running cells were lost. Prior external "
+    "tool operations may have completed; inspect their results before retrying. You may continue "
+    "with a fresh exec call."
+)
+#: §13.8 a cell id that does not belong to the current generation.
+STALE_GENERATION: Final = "cell belongs to a stale code-mode host generation"
+
 #: §5 "gRPC code-mode execution ended before its starting event".
 EXECUTION_ENDED_BEFORE_STARTING: Final = "gRPC code-mode execution ended before its starting event"
 #: §5 "gRPC code-mode execution omitted its starting event".
