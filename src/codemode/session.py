@@ -40,6 +40,7 @@ from codemode.protocol.types import (
 )
 
 __all__ = [
+    "EARLY_YIELD_UNSUPPORTED",
     "CancellationToken",
     "CodeModeSession",
     "CodeModeSessionDelegate",
@@ -129,24 +130,34 @@ class NoopCodeModeSessionDelegate(CodeModeSessionDelegate):
     """A delegate with no tools: calls wait for cancellation, then fail."""
 
 
+#: What :meth:`StartedCell.yield_early` raises where the carrier cannot end an observation early.
+EARLY_YIELD_UNSUPPORTED: Final = (
+    "this code-mode session cannot end an observation early (no early yield on its carrier)"
+)
+
+
 class StartedCell:
     """An admitted cell: its id now, its first outcome later (two-phase execute, §1.6).
 
     ``initial_response()`` may be awaited once. Dropping the cell, cancelling the awaiting task or
     calling :meth:`cancel` abandons it, which makes the implementation terminate the cell.
+    :meth:`yield_early` ends the initial observation early without stopping the cell.
     """
 
-    __slots__ = ("_abandon", "_consumed", "_done", "_future", "cell_id")
+    __slots__ = ("_abandon", "_consumed", "_done", "_future", "_yield_early", "cell_id")
 
     def __init__(
         self,
         cell_id: CellId,
         future: asyncio.Future[RuntimeResponse],
         abandon: Callable[[], object] | None = None,
+        *,
+        yield_early: Callable[[], object] | None = None,
     ) -> None:
         self.cell_id = cell_id
         self._future = future
         self._abandon = abandon
+        self._yield_early = yield_early
         self._consumed = False
         self._done = False
 
@@ -156,9 +167,13 @@ class StartedCell:
         cell_id: CellId,
         awaitable: Awaitable[RuntimeResponse],
         abandon: Callable[[], object] | None = None,
+        *,
+        yield_early: Callable[[], object] | None = None,
     ) -> StartedCell:
-        """Wrap the producer of the initial response; ``abandon`` cleans up an abandoned cell."""
-        return cls(cell_id, asyncio.ensure_future(awaitable), abandon)
+        """Wrap the producer of the initial response; ``abandon`` cleans up an abandoned cell;
+        ``yield_early`` (where the carrier can) ends the initial observation early, also when
+        called before the producer attached it."""
+        return cls(cell_id, asyncio.ensure_future(awaitable), abandon, yield_early=yield_early)
 
     async def initial_response(self) -> RuntimeResponse:
         """Await the cell's first outcome (yield, completion or termination)."""
@@ -176,6 +191,19 @@ class StartedCell:
         if future.cancelled():
             raise CodeModeError(EXEC_RUNTIME_ENDED_UNEXPECTEDLY)
         return future.result()
+
+    def yield_early(self) -> None:
+        """End the initial observation now, as its yield timer would, without stopping the cell.
+
+        ``initial_response()`` then returns ``Yielded`` with the items so far (or the completion or
+        termination, if that already happened); later waits see what follows. Callable before
+        ``initial_response()`` is awaited; a no-op once it was delivered or the cell abandoned.
+        Where the carrier cannot do it (Protocol V1) it raises :class:`CodeModeError` every time.
+        """
+        if self._yield_early is None:
+            raise CodeModeError(EARLY_YIELD_UNSUPPORTED)
+        if not self._done:
+            self._yield_early()
 
     def cancel(self) -> None:
         """Abandon the cell (idempotent; no effect once the initial response was delivered)."""

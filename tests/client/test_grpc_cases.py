@@ -62,9 +62,6 @@ from codemode.runtime import LocalSessionProvider
 from codemode.session import CancellationToken, CodeModeSessionDelegate
 
 ECHO = ToolDefinition("echo", ToolName("echo"), "echo")
-NOT_GENERATIONS = "not implemented: generations and reconnect (grpc.md §13.8)"
-NOT_ROUTE_LOST = "not implemented: the x-code-mode-route-lost marker and reopening (§4.3, §13.8)"
-NOT_EARLY_YIELD = "not implemented: the early-yield signal (YieldObservation, §8.4)"
 FOREVER = "await new Promise(() => {})"
 
 
@@ -413,7 +410,6 @@ async def test_c02_first_generation_preserves_opaque_cell_ids_that_resemble_gene
     assert waited == ["graphics:1", "g2:42"]
 
 
-@pytest.mark.xfail(strict=True, reason=NOT_GENERATIONS)
 async def test_c03_later_generations_prefix_public_ids_and_strip_wire_ids(
     scripted: Scripted,
 ) -> None:
@@ -425,7 +421,6 @@ async def test_c03_later_generations_prefix_public_ids_and_strip_wire_ids(
     assert scripted.fake.leases[-1].executions[-1].execution_id
 
 
-@pytest.mark.xfail(strict=True, reason=NOT_GENERATIONS)
 async def test_c04_stale_generation_ids_are_rejected_after_reconnection(
     scripted: Scripted,
 ) -> None:
@@ -439,7 +434,6 @@ async def test_c04_stale_generation_ids_are_rejected_after_reconnection(
         assert "stale code-mode host generation" in str(caught.value)
 
 
-@pytest.mark.xfail(strict=True, reason=NOT_GENERATIONS)
 async def test_c05_reconnect_maps_every_delegate_callback_to_its_generation(
     scripted: Scripted,
 ) -> None:
@@ -452,6 +446,7 @@ async def test_c05_reconnect_maps_every_delegate_callback_to_its_generation(
     lease = scripted.fake.leases[-1]
     execution_id = lease.executions[-1].execution_id
     await lease.calls.put(tool_call(lease, execution_id, cell="42"))
+    await eventually(lambda: delegate.calls)  # the subscription is another stream than the lease
     await lease.events.put(notification(execution_id, cell="42"))
     await lease.events.put(cell_closed(execution_id, "42"))
     await eventually(lambda: delegate.closed)
@@ -460,7 +455,6 @@ async def test_c05_reconnect_maps_every_delegate_callback_to_its_generation(
     assert delegate.closed == ["g2:42"]
 
 
-@pytest.mark.xfail(strict=True, reason=NOT_GENERATIONS)
 async def test_c06_reconnected_execution_maps_started_and_initial_response_ids(
     scripted: Scripted,
 ) -> None:
@@ -473,7 +467,6 @@ async def test_c06_reconnected_execution_maps_started_and_initial_response_ids(
     assert (await started.initial_response()).cell_id == CellId("g2:42")
 
 
-@pytest.mark.xfail(strict=True, reason=NOT_GENERATIONS)
 async def test_c07_reconnected_wait_maps_live_and_missing_outcomes(scripted: Scripted) -> None:
     """`reconnected_wait_maps_live_and_missing_outcomes` — both outcome kinds carry the mapped
     id."""
@@ -570,7 +563,9 @@ async def test_c10_oversized_cell_ids_are_rejected_before_admission(scripted: Sc
     with pytest.raises(CodeModeError) as caught:
         await session.execute(ExecuteRequest("c", ""))
     assert str(caught.value) == "gRPC code-mode host returned cell ID exceeding 256 bytes"
-    assert session._executions == {} and session._cells == {}
+    binding = session._binding
+    assert binding is not None
+    assert binding._executions == {} and binding._cells == {}
     assert delegate.closed == []
 
 
@@ -830,7 +825,9 @@ async def test_c19_malformed_callback_ids_are_rejected_before_retention(
         await asyncio.sleep(0.1)
         assert lease.completions == []
         assert session.is_alive()
-    assert session._invocations == {} and session._notifications == {}
+    binding = session._binding
+    assert binding is not None
+    assert binding._invocations == {} and binding._notifications == {}
 
 
 async def test_c20_notifications_and_tools_share_the_pending_delegate_limit(
@@ -935,10 +932,12 @@ async def test_c22_disconnect_revokes_callbacks_and_returns_each_live_cell_once(
     await fails_with(session, texts.LEASE_CLOSED_UNEXPECTEDLY)
     assert sorted(delegate.closed) == ["1", "2"]
     assert delegate.tokens[0].is_cancelled() and delegate.note_tokens[0].is_cancelled()
+    binding = session._binding  # the lost gRPC session (the next execute would reconnect)
+    assert binding is not None
     for operation in (
-        session.execute(ExecuteRequest("c", "")),
-        session.wait(WaitRequest(CellId("1"), 1)),
-        session.terminate(CellId("2")),
+        binding.execute(ExecuteRequest("c", "")),
+        binding.wait(WaitRequest(CellId("1"), 1)),
+        session.terminate(CellId("2")),  # never reconnects: fails with the recorded reason
     ):
         with pytest.raises(ConnectionClosed) as caught:
             await operation
@@ -1333,21 +1332,41 @@ async def test_e02_tcp_session_persists_values_and_forwards_tools_notifications_
     assert sorted(delegate.closed) == ["1", "2"]
 
 
-@pytest.mark.xfail(strict=True, reason=NOT_EARLY_YIELD)
 async def test_e03_grpc_early_yield_preserves_cell_and_later_waits(
     client: GrpcCodeModeSessionProvider,
 ) -> None:
     """`grpc_early_yield_preserves_cell_and_later_waits` — an execute with an already-raised
     early-yield signal returns `Yielded` while its tool call is still running; a wait yields
     early when signalled; a later wait returns the completion `["done"]`."""
-    session = await client.create_session(Delegate())
+    delegate = Delegate()
+    release = asyncio.Event()
+
+    async def tool(call: CodeModeNestedToolCall, token: CancellationToken) -> JSON:
+        await release.wait()
+        return "ok"
+
+    delegate.tool = tool
+    session = await client.create_session(delegate)
     signal = asyncio.Event()
     signal.set()
-    execute_with_early_yield: Any = getattr(session, "execute_with_early_yield")  # noqa: B009
-    started = await execute_with_early_yield(
-        ExecuteRequest("c", 'await tools.echo({}); text("done")', [ECHO], 60_000), signal
+    started = await session.execute(
+        ExecuteRequest("c", 'await tools.echo({}); text("done")', [ECHO], 60_000),
+        early_yield=signal,
     )
-    assert isinstance(await started.initial_response(), Yielded)
+    assert await asyncio.wait_for(started.initial_response(), 10) == Yielded(started.cell_id, [])
+    await eventually(lambda: delegate.calls)  # the tool call is still running
+    signal = asyncio.Event()
+    waiting = asyncio.create_task(
+        session.wait(WaitRequest(started.cell_id, 60_000), early_yield=signal)
+    )
+    await asyncio.sleep(0.2)
+    assert not waiting.done()
+    signal.set()
+    assert await asyncio.wait_for(waiting, 10) == LiveCell(Yielded(started.cell_id, []))
+    release.set()
+    assert await session.wait(WaitRequest(started.cell_id, 60_000)) == LiveCell(
+        Result(started.cell_id, [InputText("done")])
+    )
 
 
 async def test_e04_shutdown_immediately_rejects_new_operations(
@@ -1380,19 +1399,21 @@ async def test_e05_cancelling_execution_before_admission_keeps_the_session_usabl
     runs."""
     delegate = Delegate()
     session = await client.create_session(delegate)
-    original = session._started
+    binding = session._binding
+    assert binding is not None
+    original = binding._started
 
     async def slow_started(record: Any, call: Any) -> str:
         await asyncio.sleep(0.5)  # the host admits the cell; the caller gives up before reading
         return await original(record, call)
 
-    monkeypatch.setattr(session, "_started", slow_started)
+    monkeypatch.setattr(binding, "_started", slow_started)
     executing = asyncio.create_task(session.execute(ExecuteRequest("c", FOREVER)))
     await asyncio.sleep(0.25)
     executing.cancel()
     with pytest.raises(asyncio.CancelledError):
         await executing
-    monkeypatch.setattr(session, "_started", original)
+    monkeypatch.setattr(binding, "_started", original)
     await eventually(lambda: delegate.closed == ["1"])
     started = await session.execute(ExecuteRequest("c", "text(2)"))
     assert started.cell_id == CellId("2")
@@ -1521,11 +1542,6 @@ async def test_e11_dropping_a_wait_retires_its_observer_before_the_next_wait(
     assert outcome_ == LiveCell(Yielded(started.cell_id, []))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not implemented: dropping a GrpcSession does not retire it (the provider keeps a "
-    "strong reference and GrpcSession has no finalizer that closes the lease)",
-)
 async def test_e12_dropping_a_session_off_runtime_retires_its_active_cells(
     client: GrpcCodeModeSessionProvider,
 ) -> None:
@@ -1643,7 +1659,6 @@ async def test_e16_dropping_a_grpc_lease_retires_its_server_session(host: GrpcHo
             await asyncio.sleep(0.05)
 
 
-@pytest.mark.xfail(strict=True, reason=NOT_GENERATIONS)
 async def test_e17_cached_session_recovers_after_a_remote_host_restarts() -> None:
     """`cached_session_recovers_after_a_remote_host_restarts` — killing the host fails the pending
     wait and reports the old cell closed; terminate of the old cell fails; the next two concurrent
@@ -1664,16 +1679,37 @@ async def test_e17_cached_session_recovers_after_a_remote_host_restarts() -> Non
         await first.aclose()
         with pytest.raises(CodeModeError):
             await waiting
-        assert delegate.closed == ["1"]
+        await eventually(lambda: delegate.closed == ["1"])
+        with pytest.raises(CodeModeError):
+            await session.terminate(started.cell_id)
         second = GrpcHost(local, f"grpc://127.0.0.1:{port}")
         await second.start()
         try:
-            for _ in range(2):
-                with pytest.raises(CodeModeError):
-                    await session.execute(ExecuteRequest("c", "text(1)"))
-            cell = await session.execute(ExecuteRequest("c", 'text(String(load("k")))'))
-            assert cell.cell_id == CellId("g2:1")
-            assert await cell.initial_response() == Result(CellId("g2:1"), [InputText("undefined")])
+            # Created before the reconnect: two concurrent executes, a queued one, a queued wait.
+            before = [
+                session.execute(ExecuteRequest("c", "text(1)")),
+                session.execute(ExecuteRequest("c", "text(2)")),
+                session.execute(ExecuteRequest("c", "text(3)")),
+                session.wait(WaitRequest(started.cell_id, 1)),
+            ]
+            for failed in await asyncio.gather(*before, return_exceptions=True):
+                assert isinstance(failed, CodeModeError)
+                assert str(failed) == texts.RUNTIME_REPLACED
+            assert texts.RUNTIME_REPLACED.startswith("The exec runtime was replaced. Stored values")
+            cells = [
+                await session.execute(ExecuteRequest("c", 'text(String(load("k")))'))
+                for _ in range(3)
+            ]
+            assert [cell.cell_id for cell in cells] == [CellId(f"g2:{n}") for n in (1, 2, 3)]
+            for cell in cells:
+                assert await cell.initial_response() == Result(
+                    cell.cell_id, [InputText("undefined")]
+                )
+            for old in (started.cell_id, CellId("g1:1"), CellId("g3:1")):
+                with pytest.raises(CodeModeError) as caught:
+                    await session.wait(WaitRequest(old, 1))
+                assert str(caught.value) == "cell belongs to a stale code-mode host generation"
+            assert session.generation == 2
         finally:
             await provider.aclose()
             await second.aclose()
@@ -1773,7 +1809,6 @@ async def test_e20_session_admission_recovers_after_connection_reset(host: GrpcH
         await asyncio.gather(*pumps, return_exceptions=True)
 
 
-@pytest.mark.xfail(strict=True, reason=NOT_ROUTE_LOST)
 async def test_e21_routing_metadata_is_scoped_to_each_session_on_a_shared_provider(
     scripted: Scripted,
 ) -> None:
@@ -1816,7 +1851,6 @@ async def test_e21_routing_metadata_is_scoped_to_each_session_on_a_shared_provid
     assert len(open_routes) == 3
 
 
-@pytest.mark.xfail(strict=True, reason=NOT_GENERATIONS)
 async def test_e22_only_missing_sessions_reopen_without_replaying_execution(
     scripted: Scripted,
 ) -> None:
@@ -1842,10 +1876,42 @@ async def test_e22_only_missing_sessions_reopen_without_replaying_execution(
     assert str(caught.value) == (
         "gRPC code-mode execution failed: NOT_FOUND: unknown code-mode session"
     )
-    with pytest.raises(CodeModeError):
+    with pytest.raises(CodeModeError) as caught:
         await session.execute(ExecuteRequest("c", ""))
+    assert str(caught.value) == texts.RUNTIME_REPLACED
     started = await session.execute(ExecuteRequest("c", ""))
     assert started.cell_id == CellId("g2:1")
+    # Other statuses fail the call only: the binding stays, nothing is replayed or reopened.
+    for cell, code, route_lost in (
+        ("2", StatusCode.INVALID_ARGUMENT, False),
+        ("3", StatusCode.UNAVAILABLE, False),
+        ("4", StatusCode.UNAVAILABLE, True),  # the marker means nothing on an unrouted session
+    ):
+        leases, attempts = len(scripted.fake.leases), 0
+
+        async def failing(
+            request: Any,
+            context: Any,
+            cell: str = cell,
+            code: StatusCode = code,
+            route_lost: bool = route_lost,
+        ) -> AsyncIterator[pb.ExecuteEvent]:
+            nonlocal attempts
+            attempts += 1
+            if attempts == 1:
+                if route_lost:
+                    await context.send_initial_metadata((("x-code-mode-route-lost", "true"),))
+                await context.abort(code, "nope")
+            yield started_event(request, cell)
+            yield pb.ExecuteEvent(outcome=outcome(cell))
+
+        scripted.fake.execute = failing
+        with pytest.raises(CodeModeError) as caught:
+            await session.execute(ExecuteRequest("c", ""))
+        assert str(caught.value) == f"gRPC code-mode execution failed: {code.name}: nope"
+        started = await session.execute(ExecuteRequest("c", ""))
+        assert started.cell_id == CellId(f"g2:{cell}") and session.generation == 2
+        assert attempts == 2 and len(scripted.fake.leases) == leases
 
 
 async def test_e23_cancellation_stops_reentrant_image_getter(

@@ -8,6 +8,8 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # before grpc: see c
 
 import asyncio
 import json
+import logging
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -26,6 +28,7 @@ from codemode.protocol.texts import TOO_MANY_CALLBACKS
 from codemode.protocol.types import CellId, ExecuteRequest, WaitOutcome, WaitRequest
 from codemode.runtime import LocalSessionProvider
 from codemode.session import (
+    EARLY_YIELD_UNSUPPORTED,
     CodeModeSession,
     CodeModeSessionDelegate,
     CodeModeSessionProvider,
@@ -504,7 +507,8 @@ async def test_yield_observation_ends_a_wait_early(stub: Stub) -> None:
 @pytest.mark.xfail(
     strict=True,
     reason="the items produced so far stay buffered for the next observation: the session API "
-    "offers no early end of an observation, so the host detaches it and answers yielded([])",
+    "offers no early end of a Wait's observation (only of an Execute's, StartedCell.yield_early), "
+    "so the host detaches it and answers yielded([])",
 )
 async def test_yield_observation_returns_the_items_so_far(stub: Stub) -> None:
     lease = await _open(stub)
@@ -522,27 +526,67 @@ async def test_yield_observation_returns_the_items_so_far(stub: Stub) -> None:
     assert [item.text.text for item in response.live_cell.content_items] == ["b"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TimeoutError,
-    reason="StartedCell offers no early end of the initial observation (only abandonment), so "
-    "YieldObservation{execution_id} is accepted without effect",
-)
 async def test_yield_observation_ends_an_execute_early(stub: Stub) -> None:
     lease = await _open(stub)
-    execution_id = str(uuid.uuid4())
-    call = _execute(
-        stub, lease, "await new Promise(() => {})", execution_id=execution_id, yield_time_ms=60_000
+    subscription = stub.SubscribeToToolCalls(
+        pb.SubscribeToToolCallsRequest(session_id=lease.session_id)
     )
-    await _started(call)
+    execution_id = str(uuid.uuid4())
+    source = "text('a'); await tools.echo({}); text('b')"
+    call = _execute(
+        stub, lease, source, execution_id=execution_id, tools=(ECHO,), yield_time_ms=60_000
+    )
+    started = await _started(call)
+    tool_call = await asyncio.wait_for(subscription.read(), 10)  # 'a' is out; the call hangs
     await stub.YieldObservation(
         pb.YieldObservationRequest(session_id=lease.session_id, execution_id=execution_id)
     )
-    try:
-        outcome = await _outcome(call, timeout=1)
-    finally:
-        call.cancel()
+    outcome = await _outcome(call, timeout=5)
     assert outcome.WhichOneof("outcome") == "yielded"
+    assert _texts(outcome) == ["a"]
+    # Once the observation ended, another YieldObservation for it is a no-op.
+    await stub.YieldObservation(
+        pb.YieldObservationRequest(session_id=lease.session_id, execution_id=execution_id)
+    )
+    # The cell went on: a later Wait sees what follows.
+    await stub.CompleteToolCall(
+        pb.CompleteToolCallRequest(
+            session_id=lease.session_id,
+            invocation_id=tool_call.invocation_id,
+            succeeded=pb.ToolCallSucceeded(output_json=b"{}"),
+        )
+    )
+    response = await stub.Wait(_wait(lease, started.cell_id, 30_000))
+    assert response.live_cell.WhichOneof("outcome") == "completed"
+    assert [item.text.text for item in response.live_cell.content_items] == ["b"]
+    closed = (await lease.until("cell_closed")).cell_closed
+    assert (closed.execution_id, closed.final_tool_call_sequence) == (execution_id, 1)
+
+
+async def test_yield_observation_that_overtakes_its_execute_is_remembered(stub: Stub) -> None:
+    lease = await _open(stub)
+    execution_id = str(uuid.uuid4())
+    await stub.YieldObservation(
+        pb.YieldObservationRequest(session_id=lease.session_id, execution_id=execution_id)
+    )
+    call = _execute(
+        stub, lease, "await new Promise(() => {})", execution_id=execution_id, yield_time_ms=60_000
+    )
+    started = await _started(call)
+    assert (await _outcome(call, timeout=5)).WhichOneof("outcome") == "yielded"
+    # Only that execution: the next one runs its own timer.
+    other = _execute(stub, lease, "await new Promise(() => {})", yield_time_ms=60_000)
+    await _started(other)
+    reading = asyncio.ensure_future(other.read())
+    done, _ = await asyncio.wait((reading,), timeout=0.5)
+    assert not done
+    other.cancel()
+    await asyncio.wait((reading,))
+    assert reading.cancelled() or reading.exception() is not None or reading.result() is aio.EOF
+    response = await stub.Terminate(
+        pb.TerminateRequest(session_id=lease.session_id, cell_id=started.cell_id)
+    )
+    assert response.live_cell.WhichOneof("outcome") == "terminated"
 
 
 async def test_terminate_of_a_missing_cell(stub: Stub) -> None:
@@ -585,6 +629,49 @@ async def test_runtime_preconditions_pass_through_verbatim() -> None:
         error = await _status(stub.Wait(_wait(lease, "3")))
         assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert error.details() == "exec cell 3 already has an active observer"
+    finally:
+        await channel.close()
+        await host.aclose()
+
+
+class _NoEarlyYield(CodeModeSession):
+    """A session whose started cells cannot yield early (as over Protocol V1)."""
+
+    async def execute(self, request: ExecuteRequest) -> StartedCell:
+        never: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        return StartedCell(CellId("1"), never)
+
+    async def wait(self, request: WaitRequest) -> WaitOutcome:
+        raise CodeModeError("not used")
+
+    async def terminate(self, cell_id: CellId) -> WaitOutcome:
+        raise CodeModeError("not used")
+
+    async def shutdown(self) -> None:
+        return
+
+
+class _NoEarlyYieldProvider(CodeModeSessionProvider):
+    async def create_session(self, delegate: CodeModeSessionDelegate) -> CodeModeSession:
+        return _NoEarlyYield()
+
+
+async def test_yield_observation_where_the_session_cannot_yield_early_is_unimplemented() -> None:
+    host = GrpcHost(_NoEarlyYieldProvider())
+    channel, stub = await _connect(host)
+    try:
+        lease = await _open(stub)
+        execution_id = str(uuid.uuid4())
+        call = _execute(stub, lease, "unused", execution_id=execution_id)
+        await _started(call)
+        error = await _status(
+            stub.YieldObservation(
+                pb.YieldObservationRequest(session_id=lease.session_id, execution_id=execution_id)
+            )
+        )
+        assert error.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert error.details() == EARLY_YIELD_UNSUPPORTED
+        call.cancel()
     finally:
         await channel.close()
         await host.aclose()
@@ -751,6 +838,59 @@ async def test_messages_of_64_mib_are_accepted(stub: Stub) -> None:
     assert error.code() == grpc.StatusCode.NOT_FOUND
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_a_64_mib_tool_result_blocks_neither_the_lease_nor_other_executions(
+    stub: Stub,
+) -> None:
+    pattern = "0123456789abcdef"
+    repeats = (MAX_MESSAGE_BYTES - 4096) // len(pattern)
+    lease = await _open(stub)
+    other = await _open(stub)
+    subscription = stub.SubscribeToToolCalls(
+        pb.SubscribeToToolCallsRequest(session_id=lease.session_id)
+    )
+    source = (
+        f"const r = await tools.echo({{}}); const expected = {pattern!r}.repeat({repeats});"
+        "text(`${r.length} ${r === expected}`);"
+    )
+    big_call = _execute(stub, lease, source, tools=(ECHO,), yield_time_ms=200_000)
+    await _started(big_call)
+    tool_call = await asyncio.wait_for(subscription.read(), 30)
+    request = pb.CompleteToolCallRequest(
+        session_id=lease.session_id,
+        invocation_id=tool_call.invocation_id,
+        succeeded=pb.ToolCallSucceeded(output_json=f'"{pattern * repeats}"'.encode()),
+    )
+    assert MAX_MESSAGE_BYTES - request.ByteSize() < 8192  # just under the message limit
+    completing = asyncio.ensure_future(stub.CompleteToolCall(request))
+    del request
+
+    async def on_the_other_session() -> list[str]:
+        call = _execute(stub, other, "text('other')")
+        await _started(call)
+        return _texts(await _outcome(call, timeout=120))
+
+    async def on_the_same_session() -> list[str]:
+        call = _execute(stub, lease, "notify('ping'); text('same')")
+        await _started(call)
+        notification = (await lease.until("notification", timeout=120)).notification
+        assert notification.text == "ping"
+        await stub.AcknowledgeNotification(
+            pb.AcknowledgeNotificationRequest(
+                session_id=lease.session_id, notification_id=notification.notification_id
+            )
+        )
+        return _texts(await _outcome(call, timeout=120))
+
+    other_texts, same_texts = await asyncio.wait_for(
+        asyncio.gather(on_the_other_session(), on_the_same_session()), 180
+    )
+    assert (other_texts, same_texts) == (["other"], ["same"])
+    await asyncio.wait_for(completing, 180)
+    assert _texts(await _outcome(big_call, timeout=180)) == [f"{len(pattern) * repeats} true"]
+
+
 async def test_pending_callback_limit_text_is_the_shared_one() -> None:
     assert TOO_MANY_CALLBACKS == "code-mode host exceeded the limit of 1024 pending delegate calls"
 
@@ -769,6 +909,126 @@ async def test_health_service(provider: LocalSessionProvider) -> None:
     finally:
         await channel.close()
         await host.aclose()
+
+
+async def test_draining_reports_not_serving_and_waits_for_running_cells(
+    provider: LocalSessionProvider,
+) -> None:
+    health = pytest.importorskip("grpc_health.v1.health_pb2")
+    health_grpc = pytest.importorskip("grpc_health.v1.health_pb2_grpc")
+    host = GrpcHost(provider)
+    channel, stub = await _connect(host)
+    draining: asyncio.Future[None] | None = None
+    try:
+        lease = await _open(stub)
+        subscription = stub.SubscribeToToolCalls(
+            pb.SubscribeToToolCallsRequest(session_id=lease.session_id)
+        )
+        call = _execute(stub, lease, "await tools.echo({}); text('drained')", tools=(ECHO,))
+        await _started(call)
+        tool_call = await asyncio.wait_for(subscription.read(), 10)
+        draining = asyncio.ensure_future(host.shutdown(60))
+        checker = health_grpc.HealthStub(channel)
+        request = health.HealthCheckRequest(service=SERVICE_NAME)
+        for _ in range(200):
+            if (await checker.Check(request)).status == health.HealthCheckResponse.NOT_SERVING:
+                break
+            await asyncio.sleep(0.05)
+        for service in ("", SERVICE_NAME):
+            response = await checker.Check(health.HealthCheckRequest(service=service))
+            assert response.status == health.HealthCheckResponse.NOT_SERVING
+        # No new work is admitted; the running cell goes on.
+        error = await _status(_execute(stub, lease, "text(1)").read())
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert error.details() == texts.HOST_SHUTTING_DOWN
+        error = await _status(stub.OpenSession(pb.OpenSessionRequest()).read())
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert not draining.done()
+        await stub.CompleteToolCall(
+            pb.CompleteToolCallRequest(
+                session_id=lease.session_id,
+                invocation_id=tool_call.invocation_id,
+                succeeded=pb.ToolCallSucceeded(output_json=b"{}"),
+            )
+        )
+        assert _texts(await _outcome(call)) == ["drained"]
+        await asyncio.wait_for(draining, 30)  # the last cell closed: well before the grace
+    finally:
+        if draining is not None and not draining.done():
+            draining.cancel()
+        await channel.close()
+        await host.aclose()
+
+
+async def test_sessions_log_their_open_and_close(
+    stub: Stub, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="codemode.host")
+    lease = await _open(stub)
+    call = _execute(stub, lease, "text('x')")
+    started = await _started(call)
+    await _outcome(call)
+    await lease.until("cell_closed")
+    await stub.CloseSession(pb.CloseSessionRequest(session_id=lease.session_id))
+    lines = [r.getMessage() for r in caplog.records if r.name == "codemode.host"]
+    session = lease.session_id
+    assert any(line.startswith(f"event=session-open session={session} peer=") for line in lines)
+    assert any(
+        re.fullmatch(
+            rf"event=session-close session={session} duration_ms=\d+ cells=1 reason=close-session",
+            line,
+        )
+        for line in lines
+    ), lines
+    assert any(
+        re.fullmatch(
+            rf"event=cell-closed session={session} execution=\S+ cell={started.cell_id} "
+            r"tool_calls=0",
+            line,
+        )
+        for line in lines
+    ), lines
+
+
+async def test_a_dropped_lease_is_logged_as_such(
+    stub: Stub, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="codemode.host")
+    lease = await _open(stub)
+    lease.call.cancel()
+    needle = f"event=session-close session={lease.session_id} "
+    for _ in range(200):
+        closes = [r.getMessage() for r in caplog.records if needle in r.getMessage()]
+        if closes:
+            break
+        await asyncio.sleep(0.05)
+    assert len(closes) == 1 and closes[0].endswith(" cells=0 reason=lease-ended"), closes
+
+
+async def test_open_sessions_are_bounded(provider: LocalSessionProvider) -> None:
+    host = GrpcHost(provider, options=GrpcHostOptions(max_sessions=1))
+    channel, stub = await _connect(host)
+    try:
+        first = await _open(stub)
+        error = await _status(stub.OpenSession(pb.OpenSessionRequest()).read())
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert error.details() == texts.HOST_TOO_MANY_OPEN_SESSIONS
+        await stub.CloseSession(pb.CloseSessionRequest(session_id=first.session_id))
+        second = await _open(stub)  # the slot was released
+        assert second.session_id != first.session_id
+    finally:
+        await channel.close()
+        await host.aclose()
+
+
+def test_keepalive_options() -> None:
+    options = dict(GrpcHostOptions().server_options())
+    assert options["grpc.keepalive_time_ms"] == 20_000
+    assert options["grpc.keepalive_timeout_ms"] == 20_000
+    assert options["grpc.http2.max_pings_without_data"] == 0
+    assert options["grpc.http2.min_recv_ping_interval_without_data_ms"] == 10_000
+    assert options["grpc.max_receive_message_length"] == MAX_MESSAGE_BYTES
+    assert "grpc.keepalive_time_ms" not in dict(GrpcHostOptions(keepalive_time=0).server_options())
 
 
 async def test_serve_grpc_runs_until_stopped(provider: LocalSessionProvider) -> None:

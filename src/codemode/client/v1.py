@@ -427,7 +427,8 @@ class RemoteSession(CodeModeSession):
 
     It behaves like the embedded session for its caller (§1.5): ``execute`` returns at admission,
     abandoning a :class:`StartedCell` terminates the cell, cancelling ``wait`` only retires the
-    observation, cancelled ``terminate``/``shutdown`` complete in the background. Once the
+    observation, cancelled ``terminate``/``shutdown`` complete in the background. Protocol V1 has
+    no early yield: :meth:`StartedCell.yield_early` raises ``CodeModeError``. Once the
     connection fails, :meth:`is_alive` is false and every call raises the recorded reason;
     :meth:`shutdown` then succeeds after the remaining cells' ``cell_closed``.
     """

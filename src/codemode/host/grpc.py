@@ -6,7 +6,10 @@
 the runtime's nested tool calls and notifications into ``ToolCall``\\ s on the session's
 subscriptions and ``Notification`` events on its lease, answered by ``CompleteToolCall`` /
 ``AcknowledgeNotification``. Cancellation tokens of the runtime revoke them
-(``ToolCallCancelled`` / ``NotificationCancelled``). Statuses follow ``grpc.md`` §12.1.
+(``ToolCallCancelled`` / ``NotificationCancelled``). ``YieldObservation{execution_id}`` ends an
+``Execute``'s initial observation through :meth:`~codemode.session.StartedCell.yield_early`
+(``UNIMPLEMENTED`` where the session cannot); ``YieldObservation{wait_id}`` detaches the ``Wait``'s
+observer, whose items stay buffered for the next observation. Statuses follow ``grpc.md`` §12.1.
 
 :func:`serve_grpc` runs a host until a stop event is set (the ``--listen grpc://`` command line).
 
@@ -79,6 +82,7 @@ from codemode.session import (
     CodeModeSession,
     CodeModeSessionDelegate,
     CodeModeSessionProvider,
+    StartedCell,
 )
 
 __all__ = ["GrpcAddress", "GrpcHost", "GrpcHostOptions", "GrpcTls", "serve_grpc"]
@@ -89,20 +93,47 @@ Context = aio.ServicerContext[Any, Any]
 
 #: Ids remembered per session for reuse detection, cancelled waits and early yields (§3, §11).
 REMEMBERED_IDS: Final = 4096
-_SERVER_OPTIONS: Final = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+#: Seconds between the host's HTTP/2 keepalive pings on a connection, and how long a ping's ack
+#: may take before the connection ends (with every session whose lease it carried).
+DEFAULT_KEEPALIVE_TIME: Final = 20.0
+DEFAULT_KEEPALIVE_TIMEOUT: Final = 20.0
+#: Clients may send their own keepalive pings this often (more often: GOAWAY ``too_many_pings``).
+MIN_CLIENT_PING_INTERVAL: Final = 10.0
 
 
 @dataclass(frozen=True, slots=True)
 class GrpcHostOptions:
-    """Admission limits (``--max-active-cells``, ``--max-in-flight-requests``) and the bound of
-    ``CloseSession`` (§4.1)."""
+    """Admission limits (``--max-active-cells``, ``--max-in-flight-requests``; ``max_sessions``,
+    ``None`` for no bound: past it ``OpenSession`` ends ``RESOURCE_EXHAUSTED``), the bound of
+    ``CloseSession`` (§4.1) and the server's HTTP/2 keepalive (seconds; a ``keepalive_time`` of 0
+    sends no pings)."""
 
     max_active_cells: int = DEFAULT_MAX_ACTIVE_CELLS
     max_in_flight_requests: int = DEFAULT_MAX_IN_FLIGHT_REQUESTS
     session_shutdown_timeout: float = SHUTDOWN_TIMEOUT
+    max_sessions: int | None = None
+    keepalive_time: float = DEFAULT_KEEPALIVE_TIME
+    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT
+
+    def server_options(self) -> list[tuple[str, int]]:
+        """The ``grpc.aio.server`` channel arguments: 64 MiB messages and the keepalive."""
+        options = [
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", _ms(MIN_CLIENT_PING_INTERVAL)),
+        ]
+        if self.keepalive_time > 0:
+            options += [
+                ("grpc.keepalive_time_ms", _ms(self.keepalive_time)),
+                ("grpc.keepalive_timeout_ms", _ms(self.keepalive_timeout)),
+                # An idle lease carries no data for long: keep pinging it all the same.
+                ("grpc.http2.max_pings_without_data", 0),
+            ]
+        return options
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +273,10 @@ class _Execution:
     sequence: int = 0
     holds_slot: bool = False
     closed: bool = False
+    #: The admitted cell while its initial observation runs (YieldObservation ends it early).
+    started: StartedCell | None = None
+    #: A YieldObservation came before the cell was admitted: applied at admission.
+    yield_requested: bool = False
 
 
 @dataclass(eq=False, slots=True)
@@ -298,8 +333,12 @@ class _Session:
         self.wait_ids = _Remembered()
         self.waits: dict[str, _Wait] = {}
         self.cancelled_waits = _Remembered()
-        self.early_yields = _Remembered()
+        self.early_yields = _Remembered()  # wait ids whose YieldObservation overtook the Wait
+        self.early_execution_yields = _Remembered()  # the same for Execute's execution ids
         self.pending = 0  # invocations and notifications not yet finished
+        self.opened = time.monotonic()
+        self.cells_admitted = 0
+        self.close_reason = ""
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -381,15 +420,16 @@ class _Session:
 
     # -- the end --------------------------------------------------------------------------------
 
-    def start_close(self) -> asyncio.Task[None]:
+    def start_close(self, reason: str) -> asyncio.Task[None]:
+        """Close the session (once; the first ``reason`` is the one logged)."""
         if self.close_task is None:
             self.closing = True
+            self.close_reason = reason
             self.close_task = asyncio.ensure_future(self._close())
             self.host._keep(self.close_task)
         return self.close_task
 
     async def _close(self) -> None:
-        started = time.monotonic()
         for wait in list(self.waits.values()):
             wait.task.cancel()
         runtime = self.runtime
@@ -411,10 +451,20 @@ class _Session:
             self.closed.set()
             self.host._forget(self)
             logger.info(
-                "event=session-close session=%s seconds=%.3f",
+                "event=session-close session=%s duration_ms=%d cells=%d reason=%s",
                 self.session_id,
-                time.monotonic() - started,
+                (time.monotonic() - self.opened) * 1000,
+                self.cells_admitted,
+                self.close_reason,
             )
+
+
+def _yield_early(started: StartedCell) -> None:
+    """Apply a remembered YieldObservation (a carrier without early yields: nothing to do)."""
+    try:
+        started.yield_early()
+    except CodeModeError as error:
+        logger.debug("event=yield-ignored cell=%s reason=%s", started.cell_id, error.message)
 
 
 def _settle_later(future: asyncio.Future[Any], outcome: object, grace: bool) -> None:
@@ -513,6 +563,14 @@ class _HostDelegate(CodeModeSessionDelegate):
         execution.closed = True
         session.executions.pop(execution.execution_id, None)
         session.host._release_cell(execution)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "event=cell-closed session=%s execution=%s cell=%s tool_calls=%d",
+                session.session_id,
+                execution.execution_id,
+                cell_id,
+                execution.sequence,
+            )
         session.send(
             pb.SessionEvent(
                 cell_closed=pb.CellClosed(
@@ -588,7 +646,13 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
             limits = conversions.limits_to_domain(request.cell_execution_limits)
         if host._stopping:
             await context.abort(grpc.StatusCode.UNAVAILABLE, texts.HOST_SHUTTING_DOWN)
+        bound = host.options.max_sessions
+        if bound is not None and len(host._sessions) + host._opening >= bound:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, texts.HOST_TOO_MANY_OPEN_SESSIONS
+            )
         session = _Session(host, str(uuid.uuid4()))
+        host._opening += 1
         try:
             runtime = await host.provider.create_session_with_limits(_HostDelegate(session), limits)
         except CodeModeError as error:
@@ -605,7 +669,10 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
                     grpc.StatusCode.INVALID_ARGUMENT, texts.invalid_session_limits(error.message)
                 )
             await context.abort(grpc.StatusCode.UNAVAILABLE, error.message)
+        finally:
+            host._opening -= 1
         session.runtime = runtime
+        session.opened = time.monotonic()
         host._sessions[session.session_id] = session
         logger.info("event=session-open session=%s peer=%s", session.session_id, context.peer())
         try:
@@ -617,7 +684,7 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
                 yield event
         finally:
             # Dropped lease (cancelled, disconnected) or an orderly close: the session ends.
-            session.start_close()
+            session.start_close("lease-ended")
 
     async def CloseSession(
         self, request: pb.CloseSessionRequest, context: Context
@@ -625,7 +692,7 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
         try:
             with self._in_flight():
                 session = self._session(request.session_id, allow_closing=True)
-                closing = session.start_close()
+                closing = session.start_close("close-session")
                 try:
                     async with asyncio.timeout(self._host.options.session_shutdown_timeout):
                         await asyncio.shield(closing)
@@ -652,6 +719,9 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
         )
         subscription = _Subscription(names)
         session.subscribe(subscription)
+        # The response headers go out now, not with the first ToolCall: a client may wait for
+        # them before it sends its first Execute (upstream Codex 0.171 does).
+        await context.send_initial_metadata(())
         try:
             while True:
                 invocation = await subscription.queue.get()
@@ -752,6 +822,9 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
                     )
                 session.execution_ids.add(execution_id)
                 execution = _Execution(execution_id, holds_slot=True)
+                if execution_id in session.early_execution_yields:
+                    session.early_execution_yields.discard(execution_id)
+                    execution.yield_requested = True
                 host._active_cells += 1
                 session.executions[execution_id] = execution
                 runtime = session.runtime
@@ -767,6 +840,17 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
                         session.executions.pop(execution_id, None)
                         host._release_cell(execution)
                 session.register(execution, started.cell_id)
+                session.cells_admitted += 1
+                execution.started = started
+                if logger.isEnabledFor(logging.DEBUG):
+                    logger.debug(
+                        "event=cell-admitted session=%s execution=%s cell=%s",
+                        session.session_id,
+                        execution_id,
+                        started.cell_id,
+                    )
+                if execution.yield_requested:
+                    _yield_early(started)  # yields as soon as the observation attaches
                 try:
                     yield pb.ExecuteEvent(
                         started=pb.ExecutionStarted(
@@ -780,6 +864,8 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
                 except BaseException:
                     started.cancel()  # abandoned (or failed): the cell is terminated
                     raise
+                finally:
+                    execution.started = None
                 duration = time.monotonic_ns() - received
                 yield pb.ExecuteEvent(
                     outcome=conversions.runtime_response_to_proto(response, duration)
@@ -867,9 +953,20 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
                     elif wait_id not in session.wait_ids:
                         session.early_yields.add(wait_id)
                 else:
-                    # The initial observation of an Execute cannot be ended early through the
-                    # session API (StartedCell offers only abandonment): accepted, no effect.
-                    self._identifier("execution_id", request.execution_id)
+                    execution_id = self._identifier("execution_id", request.execution_id)
+                    execution = session.executions.get(execution_id)
+                    if execution is not None:
+                        if execution.started is not None:
+                            try:
+                                execution.started.yield_early()
+                            except CodeModeError as error:
+                                raise _Status(
+                                    grpc.StatusCode.UNIMPLEMENTED, error.message
+                                ) from None
+                        elif execution.cell_id is None:  # not admitted yet
+                            execution.yield_requested = True
+                    elif execution_id not in session.execution_ids:
+                        session.early_execution_yields.add(execution_id)
         except _Status as status:
             await self._abort(context, status)
         return pb.YieldObservationResponse()
@@ -943,6 +1040,7 @@ class GrpcHost:
         self._background: set[asyncio.Task[Any]] = set()
         self._in_flight = 0
         self._active_cells = 0
+        self._opening = 0  # OpenSession calls creating their session (for max_sessions)
         self._stopping = False
         self._health_enabled = health
         self._health: Any = None
@@ -970,7 +1068,7 @@ class GrpcHost:
                 "or engine processes may crash while they start"
             )
         interceptors = [] if self._token is None else [_BearerTokenInterceptor(self._token)]
-        server = aio.server(options=_SERVER_OPTIONS, interceptors=interceptors)
+        server = aio.server(options=self.options.server_options(), interceptors=interceptors)
         v1_pb2_grpc.add_CodeModeHostServicer_to_server(_Servicer(self), server)
         if self._health_enabled:
             self._health = _add_health(server)
@@ -1022,15 +1120,23 @@ class GrpcHost:
         """Stop admitting (health ``NOT_SERVING``; new sessions and executions are
         ``UNAVAILABLE``), give running cells up to ``grace`` seconds, then close everything."""
         await self._stop_admitting()
-        deadline = time.monotonic() + grace
+        started = time.monotonic()
+        deadline = started + grace
         while self._active_cells and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        logger.info(
+            "event=drained duration_ms=%d sessions=%d cells_left=%d",
+            (time.monotonic() - started) * 1000,
+            len(self._sessions),
+            self._active_cells,
+        )
         await self.aclose()
 
     async def aclose(self) -> None:
         """Close every session (terminating its cells) and stop the server."""
         await self._stop_admitting()
-        closing = [session.start_close() for session in list(self._sessions.values())]
+        sessions = list(self._sessions.values())
+        closing = [session.start_close("host-shutdown") for session in sessions]
         if closing:
             await asyncio.wait(closing, timeout=self.options.session_shutdown_timeout)
         server = self._server

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from enum import Enum
 from functools import partial
 from typing import TYPE_CHECKING, Any, Final
@@ -45,7 +45,7 @@ from codemode.session import CancellationToken, serve_callback
 if TYPE_CHECKING:
     from codemode.runtime.session import LocalSession
 
-__all__ = ["Cell"]
+__all__ = ["Cell", "EarlyYield"]
 
 logger = logging.getLogger("codemode.runtime")
 #: One DEBUG record when a cell starts and one when it ends (with its duration and outcome).
@@ -96,6 +96,23 @@ class _Observer:
         self.timer: asyncio.TimerHandle | None = None
 
 
+class EarlyYield:
+    """Ends one observation early, as its yield timer would; requested before the observation
+    attached, it takes effect as soon as it does (and none once the observation ended)."""
+
+    __slots__ = ("_fire", "requested")
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._fire: Callable[[], None] | None = None
+
+    def request(self) -> None:
+        """Yield now (idempotent)."""
+        self.requested = True
+        if self._fire is not None:
+            self._fire()
+
+
 class Cell:
     """The state machine of one admitted cell of a :class:`LocalSession`."""
 
@@ -142,8 +159,9 @@ class Cell:
 
     # -- observations --------------------------------------------------------------------------
 
-    async def observe(self, yield_ms: int) -> RuntimeResponse:
-        """Attach an observation; returns the outcome that ends it."""
+    async def observe(self, yield_ms: int, early: EarlyYield | None = None) -> RuntimeResponse:
+        """Attach an observation; returns the outcome that ends it (``early`` may end it sooner,
+        through the yield timer's own path)."""
         if self._observer is not None:
             raise CodeModeError(f"exec cell {self.cell_id} already has an active observer")
         observer = _Observer(self._loop.create_future(), yield_ms)
@@ -154,8 +172,13 @@ class Cell:
         elif self._parked_yield:
             self._parked_yield = False
             self._deliver(Yielded(self.cell_id, self._drain()))
-        elif self._started:
-            self._arm(observer)
+        else:
+            if self._started:
+                self._arm(observer)
+            if early is not None:
+                early._fire = partial(self._yield_to, observer)
+                if early.requested:
+                    self._yield_to(observer)
         try:
             response = await observer.future
         except asyncio.CancelledError:
@@ -164,6 +187,9 @@ class Cell:
             elif observer.future.done() and not observer.future.cancelled():
                 self._undeliver(observer.future.result())
             raise
+        finally:
+            if early is not None:
+                early._fire = None
         if isinstance(response, Result):
             self._close()
         return response

@@ -32,7 +32,7 @@ from codemode.protocol.types import (
     WaitOutcome,
     WaitRequest,
 )
-from codemode.runtime.cell import Cell
+from codemode.runtime.cell import Cell, EarlyYield
 from codemode.runtime.engine import DEFAULT_MEMORY_CAP_BYTES, NodeEngine
 from codemode.session import (
     CodeModeSession,
@@ -223,8 +223,11 @@ class LocalSession(CodeModeSession):
         cell = Cell(self, engine, cell_id, request.tool_call_id, tools)
         cell.key = engine.run_cell(cell, request.source, config, self._heap_mb)
         self._cells[cell_id] = cell
-        initial = cell.observe(self._yield_ms(request.yield_time_ms))
-        return StartedCell.from_awaitable(cell_id, initial, lambda: self._abandon(cell_id))
+        early = EarlyYield()
+        initial = cell.observe(self._yield_ms(request.yield_time_ms), early)
+        return StartedCell.from_awaitable(
+            cell_id, initial, lambda: self._abandon(cell_id), yield_early=early.request
+        )
 
     async def wait(self, request: WaitRequest) -> WaitOutcome:
         self._check_open()
