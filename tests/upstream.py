@@ -3,7 +3,7 @@
 :func:`upstream_host` fetches ``codex-code-mode-host`` from the npm package
 ``@openai/codex@VERSION-linux-x64`` the first time a test asks for it (never at import), checks the
 tarball against its pinned npm integrity, unpacks only the host binary into a cache directory and
-returns its path. Every failure (no npm, no network, wrong platform, integrity mismatch) returns
+returns its path. :func:`upstream_codex` does the same for the ``codex`` CLI of that package. Every failure (no npm, no network, wrong platform, integrity mismatch) returns
 ``None`` and leaves the reason in :func:`unavailable_reason`, so the tests that need the binary
 skip with it. A file lock makes parallel callers (pytest-xdist workers, several runs) fetch once.
 """
@@ -33,6 +33,7 @@ __all__ = [
     "LATEST_VERSION",
     "unavailable_reason",
     "upstream_cache_dir",
+    "upstream_codex",
     "upstream_host",
 ]
 
@@ -45,9 +46,12 @@ INTEGRITY: Final = {
     "0.149.0": "sha512-uZXaN9JPxu0/jjnqqJeTd4kRYPnjVZK3MiVndfG1mHhEaoDKL7ScWHfPqvAEOjwsSDEmQSlMfUkmvYp/CHciYw==",
     "0.171.0": "sha512-l66NZkQgdk2C3pbcfULDz42yEUB581MVA6I+Y43Wp4OIqEy73HCdmZ0GTjeAHY2ycuH4N00d9VsLrwT1jxshTw==",
 }
-#: Where the binary sits inside the package tarball.
+#: Where the binaries sit inside the package tarball.
 MEMBER: Final = "package/vendor/x86_64-unknown-linux-musl/bin/codex-code-mode-host"
 BINARY: Final = "codex-code-mode-host"
+CODEX_MEMBER: Final = "package/vendor/x86_64-unknown-linux-musl/bin/codex"
+CODEX: Final = "codex"
+_MEMBERS: Final = {BINARY: MEMBER, CODEX: CODEX_MEMBER}
 
 _reasons: dict[str, str] = {}
 _found: dict[str, Path] = {}
@@ -58,23 +62,39 @@ def upstream_cache_dir(version: str = DEFAULT_VERSION) -> Path:
     return cache_dir() / "upstream" / version
 
 
-def unavailable_reason(version: str = DEFAULT_VERSION) -> str:
-    """Why :func:`upstream_host` returned ``None`` for ``version`` (empty if it did not)."""
-    return _reasons.get(version, "")
+def unavailable_reason(version: str = DEFAULT_VERSION, binary: str = BINARY) -> str:
+    """Why :func:`upstream_host` (or :func:`upstream_codex`, ``binary="codex"``) returned ``None``
+    for ``version`` (empty if it did not)."""
+    return _reasons.get(_key(version, binary), "")
 
 
 def upstream_host(version: str = DEFAULT_VERSION) -> Path | None:
     """The path of the verified upstream host binary of ``version``, fetched once; else ``None``."""
-    if version in _found:
-        return _found[version]
-    if version in _reasons:
+    return _binary(version, BINARY)
+
+
+def upstream_codex(version: str = DEFAULT_VERSION) -> Path | None:
+    """The path of the verified ``codex`` CLI of ``version``, fetched once; else ``None``."""
+    return _binary(version, CODEX)
+
+
+def _key(version: str, binary: str) -> str:
+    return version if binary == BINARY else f"{binary}@{version}"
+
+
+def _binary(version: str, binary: str) -> Path | None:
+    key = _key(version, binary)
+    if key in _found:
+        return _found[key]
+    if key in _reasons:
         return None
     try:
-        path = _ensure(version)
+        path = _ensure(version, binary)
     except _Unavailable as error:
-        _reasons[version] = f"upstream host {version} unavailable: {error}"
+        what = "upstream host" if binary == BINARY else f"upstream {binary}"
+        _reasons[key] = f"{what} {version} unavailable: {error}"
         return None
-    _found[version] = path
+    _found[key] = path
     return path
 
 
@@ -82,7 +102,7 @@ class _Unavailable(Exception):
     pass
 
 
-def _ensure(version: str) -> Path:
+def _ensure(version: str, binary: str = BINARY) -> Path:
     if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
         raise _Unavailable(
             f"the binary is for linux x86_64, this is {sys.platform} {platform.machine()}"
@@ -91,13 +111,13 @@ def _ensure(version: str) -> Path:
     if integrity is None:
         raise _Unavailable("no pinned npm integrity for this release")
     directory = upstream_cache_dir(version)
-    target = directory / BINARY
+    target = directory / binary
     if _usable(target):
         return target
     try:
         with fetch_lock(directory):
             if not _usable(target):
-                _fetch(version, integrity, directory, target)
+                _fetch(version, integrity, directory, target, _MEMBERS[binary])
     except OSError as error:
         raise _Unavailable(f"cache directory {directory}: {error}") from None
     except PackageFetchError as error:
@@ -113,29 +133,31 @@ def _npm() -> list[str]:
     return npm_command()
 
 
-def _fetch(version: str, integrity: str, directory: Path, target: Path) -> None:
+def _fetch(
+    version: str, integrity: str, directory: Path, target: Path, member: str = MEMBER
+) -> None:
     package = f"@openai/codex@{version}-linux-x64"
     with tempfile.TemporaryDirectory(dir=directory, prefix=".fetch-") as scratch:
         tarball = pack_verified(_npm(), package, integrity, Path(scratch))
-        staged = Path(scratch) / BINARY
-        _extract_binary(tarball, staged)
+        staged = Path(scratch) / target.name
+        _extract_binary(tarball, staged, member)
         staged.chmod(0o755)
         os.replace(staged, target)
 
 
-def _extract_binary(tarball: Path, destination: Path) -> None:
-    """Copy the one regular-file member :data:`MEMBER` to ``destination``; nothing else is read."""
+def _extract_binary(tarball: Path, destination: Path, wanted: str = MEMBER) -> None:
+    """Copy the one regular-file member ``wanted`` to ``destination``; nothing else is read."""
     with tarfile.open(tarball, "r:gz") as archive:
         for member in archive:
             path = PurePosixPath(member.name)
-            if path.is_absolute() or ".." in path.parts or str(path) != MEMBER:
+            if path.is_absolute() or ".." in path.parts or str(path) != wanted:
                 continue
             if not member.isfile():
-                raise _Unavailable(f"{MEMBER} in the tarball is not a regular file")
+                raise _Unavailable(f"{wanted} in the tarball is not a regular file")
             source = archive.extractfile(member)
             if source is None:
                 break
             with source, open(destination, "wb") as sink:
                 shutil.copyfileobj(source, sink)
             return
-    raise _Unavailable(f"{MEMBER} not found in the tarball")
+    raise _Unavailable(f"{wanted} not found in the tarball")

@@ -141,6 +141,25 @@ async def test_cancelled_wait_retires_before_the_next(client: GrpcCodeModeSessio
     await session.shutdown()
 
 
+async def test_started_cell_yields_early_over_grpc(client: GrpcCodeModeSessionProvider) -> None:
+    """``StartedCell.yield_early()`` sends ``YieldObservation{execution_id}``: the initial
+    response is ``Yielded`` with what the cell wrote, the cell goes on."""
+    session = await client.create_session(Delegate())
+    started = await session.execute(
+        ExecuteRequest(
+            "c", 'text("a"); await new Promise(r => setTimeout(r, 300)); text("b")', [], 60_000
+        )
+    )
+    await asyncio.sleep(0.1)
+    started.yield_early()
+    assert await asyncio.wait_for(started.initial_response(), 10) == Yielded(
+        started.cell_id, [InputText("a")]
+    )
+    outcome = await session.wait(WaitRequest(started.cell_id, 10_000))
+    assert outcome == LiveCell(Result(started.cell_id, [InputText("b")]))
+    await session.shutdown()
+
+
 async def test_host_death_fails_pending_calls_promptly(host: GrpcHost) -> None:
     provider = GrpcCodeModeSessionProvider(host.url)
     delegate = Delegate()

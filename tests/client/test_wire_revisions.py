@@ -156,9 +156,17 @@ async def test_mismatched_revisions_fail_at_the_first_runtime_response(
         assert not session.is_alive()
 
 
-def test_cli_rejects_an_unknown_revision() -> None:
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["host", "--stdio", "--wire-revision", "newest"],
+        # "auto" is a host's choice per client; a decoder has nothing to choose it from.
+        ["wire", "validate", "--type", "ClientToHost", "--wire-revision", "auto"],
+    ],
+)
+def test_cli_rejects_an_unknown_revision(command: list[str]) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "codemode", "host", "--stdio", "--wire-revision", "auto"],
+        [sys.executable, "-m", "codemode", *command],
         capture_output=True,
         text=True,
         timeout=60,

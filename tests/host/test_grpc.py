@@ -895,6 +895,20 @@ async def test_pending_callback_limit_text_is_the_shared_one() -> None:
     assert TOO_MANY_CALLBACKS == "code-mode host exceeded the limit of 1024 pending delegate calls"
 
 
+async def test_subscription_headers_arrive_before_any_tool_call(stub: Stub) -> None:
+    """A client may wait for the response headers of ``SubscribeToToolCalls`` before it sends
+    its first ``Execute`` (upstream Codex 0.171 does): they must not wait for a ``ToolCall``."""
+    lease = await _open(stub)
+    subscription = stub.SubscribeToToolCalls(
+        pb.SubscribeToToolCallsRequest(session_id=lease.session_id)
+    )
+    try:
+        await asyncio.wait_for(subscription.initial_metadata(), 5)
+    finally:
+        subscription.cancel()
+        lease.call.cancel()
+
+
 async def test_health_service(provider: LocalSessionProvider) -> None:
     health = pytest.importorskip("grpc_health.v1.health_pb2")
     health_grpc = pytest.importorskip("grpc_health.v1.health_pb2_grpc")

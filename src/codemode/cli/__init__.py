@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from codemode.cli import doctor, host, run, wire
+from codemode.cli import codex, doctor, host, run, wire
 
 __all__ = ["main"]
 
@@ -20,7 +20,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"codemode {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (run, host, doctor, wire):
+    for command in (run, host, doctor, wire, codex):
         command.add_parser(commands)
     return parser
 

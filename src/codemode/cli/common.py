@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from codemode.protocol.v1 import WireRevision
+from codemode.protocol.v1.revision import AUTO_REVISION
 from codemode.runtime import LocalSessionProvider
 from codemode.runtime.engine import DEFAULT_MEMORY_CAP_BYTES
 
@@ -36,16 +37,25 @@ def positive(text: str) -> int:
     return value
 
 
-def wire_revision_argument(parser: argparse.ArgumentParser, what: str) -> None:
-    """Add ``--wire-revision`` (``what`` says what it selects)."""
+def wire_revision_argument(
+    parser: argparse.ArgumentParser, what: str, *, auto: bool = False
+) -> None:
+    """Add ``--wire-revision`` (``what`` says what it selects; ``auto`` offers ``auto``)."""
+    choices: list[str] = [*WireRevision, AUTO_REVISION] if auto else list(WireRevision)
+    extra = (
+        "; auto: each client's hello decides (latest when it offers a capability the pinned "
+        "revision does not define)"
+        if auto
+        else ""
+    )
     parser.add_argument(
         "--wire-revision",
-        type=WireRevision,
-        choices=list(WireRevision),
+        type=lambda value: value if value == AUTO_REVISION and auto else WireRevision(value),
+        choices=choices,
         default=WireRevision.PINNED,
-        metavar="{" + ",".join(WireRevision) + "}",
+        metavar="{" + ",".join(choices) + "}",
         help=f"{what}: pinned (V1 as pinned, the default) or latest (upstream 0.164+: "
-        "runtime responses carry code_mode_host_duration_ns and result_buffered_for_ns)",
+        f"runtime responses carry code_mode_host_duration_ns and result_buffered_for_ns){extra}",
     )
 
 

@@ -121,6 +121,8 @@ def _host_command(args: argparse.Namespace) -> int:
         print("codemode host: --stdio or --listen ADDRESS is required", file=sys.stderr)
         return 2
     try:
+        if listen.startswith("grpc+stdio:"):
+            return _host_grpc_stdio_command(args, listen)
         if listen.startswith("grpc://"):
             return _host_grpc_command(args, listen)
         if args.tls_cert is not None or args.tls_key is not None:
@@ -188,6 +190,56 @@ def _host_grpc_command(args: argparse.Namespace, listen: str) -> int:
     return asyncio.run(_host_grpc(args, listen, token, tls))
 
 
+def _host_grpc_stdio_command(args: argparse.Namespace, listen: str) -> int:
+    if listen.rstrip("/") != "grpc+stdio:":
+        print(f"codemode host: --listen {listen}: expected grpc+stdio://", file=sys.stderr)
+        return 2
+    if args.tls_cert is not None or args.tls_key is not None or args.token_file is not None:
+        print(
+            "codemode host: grpc+stdio:// serves the process's own pipes: no --tls-cert, "
+            "--tls-key or --token-file",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        import codemode.host.grpc_stdio  # noqa: F401  (the `grpc` extra is installed)
+    except ImportError:
+        print(
+            "codemode host: gRPC needs the `grpc` extra: pip install 'codemode[grpc]'",
+            file=sys.stderr,
+        )
+        return 2
+    return asyncio.run(_host_grpc_stdio(args))
+
+
+async def _host_grpc_stdio(args: argparse.Namespace) -> int:
+    from codemode.host.grpc import GrpcHostOptions
+    from codemode.host.grpc_stdio import serve_grpc_stdio
+
+    provider = local_provider(args, store_load=not args.no_store_load)
+    logging.getLogger("codemode.host").info("%s", confinement.probe().describe())
+    warming = asyncio.ensure_future(provider.warm())  # an engine starts while HTTP/2 connects
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    options = GrpcHostOptions(
+        max_active_cells=args.max_active_cells,
+        max_in_flight_requests=args.max_in_flight_requests,
+    )
+    try:
+        await serve_grpc_stdio(
+            provider, options=options, stop=stop, shutdown_grace=args.shutdown_grace
+        )
+    finally:
+        if not warming.done():
+            warming.cancel()
+        with contextlib.suppress(BaseException):
+            await warming
+        await provider.aclose()
+    return 0
+
+
 async def _host_grpc(
     args: argparse.Namespace, listen: str, token: str | None, tls: GrpcTls | None
 ) -> int:
@@ -243,7 +295,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     host.add_argument(
         "--listen",
         metavar="ADDRESS",
-        help="`stdio` (the same as --stdio), ws://ADDR:PORT[/PATH] or grpc://ADDR:PORT",
+        help="`stdio` (the same as --stdio), ws://ADDR:PORT[/PATH], grpc://ADDR:PORT or "
+        "grpc+stdio:// (gRPC over stdin/stdout, one connection)",
     )
     host.add_argument(
         "--token-file",
@@ -308,6 +361,6 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--no-store-load", action="store_true", help="cells get no store/load globals"
     )
     host.add_argument("--verbose", action="store_true", help="debug logging on stderr")
-    wire_revision_argument(host, "the shape of the runtime responses the host writes")
+    wire_revision_argument(host, "the shape of the runtime responses the host writes", auto=True)
     engine_arguments(host)
     host.set_defaults(handler=_host_command)

@@ -472,7 +472,10 @@ class _Binding:
         yield_ms = DEFAULT_YIELD_TIME_MS if request.yield_time_ms is None else request.yield_time_ms
         initial = self._initial(record, call, cell_id, yield_ms / 1000 + 1, yielding)
         started = StartedCell.from_awaitable(
-            CellId(self._public(cell_id)), initial, partial(self._abandon, record, call)
+            CellId(self._public(cell_id)),
+            initial,
+            partial(self._abandon, record, call),
+            yield_early=partial(self._yield_execution, record),
         )
         record.claimed = True
         self._maybe_release(record)
@@ -650,16 +653,25 @@ class _Binding:
 
         async def watch() -> None:
             await signal.wait()
-            request = pb.YieldObservationRequest(session_id=self.session_id, **observation)
-            call = self._stub.YieldObservation(request, metadata=self._metadata)
-            try:
-                await self._race("yield observation", call, 0.0)
-            except CodeModeError as error:
-                logger.debug("YieldObservation failed: %s", error)
+            await self._yield_observation(**observation)
 
         task = self._loop.create_task(watch(), name="codemode-grpc-early-yield")
         _quiet(task)
         return task
+
+    async def _yield_observation(self, **observation: str) -> None:
+        request = pb.YieldObservationRequest(session_id=self.session_id, **observation)
+        call = self._stub.YieldObservation(request, metadata=self._metadata)
+        try:
+            await self._race("yield observation", call, 0.0)
+        except CodeModeError as error:
+            logger.debug("YieldObservation failed: %s", error)
+
+    def _yield_execution(self, record: _Execution) -> None:
+        """``StartedCell.yield_early()``: end the Execute's initial observation (§8.4)."""
+        if not self._stopped and not self._closing:
+            coroutine = self._yield_observation(execution_id=record.execution_id)
+            self._keep(asyncio.ensure_future(coroutine, loop=self._loop))
 
     def _retire_wait(self, key: str, wait_id: str) -> None:
         if self._stopped:
@@ -1195,13 +1207,16 @@ class GrpcCodeModeSessionProvider(CodeModeSessionProvider):
         if self._closed:
             raise CodeModeError("code-mode session provider is closed")
         if self._channel is None:
+            options: list[tuple[str, str | int]] = list(_CHANNEL_OPTIONS)
+            if self._address.startswith("unix:"):
+                # grpc would send the socket path, percent-encoded, as :authority; some servers
+                # (upstream's, on hyper) reset such a stream.
+                options.append(("grpc.default_authority", "localhost"))
             if self._tls:
                 credentials = grpc.ssl_channel_credentials(self._root_certificates)
-                self._channel = aio.secure_channel(
-                    self._address, credentials, options=_CHANNEL_OPTIONS
-                )
+                self._channel = aio.secure_channel(self._address, credentials, options=options)
             else:
-                self._channel = aio.insecure_channel(self._address, options=_CHANNEL_OPTIONS)
+                self._channel = aio.insecure_channel(self._address, options=options)
             self._stub = v1_pb2_grpc.CodeModeHostStub(self._channel)
         return self._stub
 

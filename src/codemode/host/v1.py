@@ -15,7 +15,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from codemode.errors import CodeModeError
 from codemode.protocol.constants import (
@@ -51,12 +51,13 @@ class HostOptions:
     """Limits, capabilities and wire revision of a V1 host (``codemode host`` flags of the same
     names). With ``wire_revision=latest`` runtime responses carry ``code_mode_host_duration_ns``
     (from the request's arrival to its answer) and ``result_buffered_for_ns`` (what the session
-    reports: how long a completion waited for its observer)."""
+    reports: how long a completion waited for its observer); ``"auto"`` lets each client's hello
+    choose (``revision_for_hello``)."""
 
     max_in_flight_requests: int = DEFAULT_MAX_IN_FLIGHT_REQUESTS
     max_active_cells: int = DEFAULT_MAX_ACTIVE_CELLS
     capabilities: frozenset[str] = frozenset({SESSION_RESOURCE_LIMITS_CAPABILITY})
-    wire_revision: WireRevision = WireRevision.PINNED
+    wire_revision: WireRevision | Literal["auto"] = WireRevision.PINNED
 
     def protocol(self) -> HostProtocol:
         """A fresh host machine with these options."""

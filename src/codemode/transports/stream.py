@@ -12,7 +12,7 @@ from typing import Final, Protocol
 from codemode.protocol.v1.lanes import Lane
 from codemode.transports.base import TransportError, describe
 
-__all__ = ["ByteWriter", "StreamTransport", "stdio_transport"]
+__all__ = ["ByteWriter", "StreamTransport", "stdio_streams", "stdio_transport"]
 
 _READ_CHUNK: Final = 1 << 16
 
@@ -117,6 +117,13 @@ async def _pump_file(fd: int, reader: asyncio.StreamReader) -> None:
 
 async def stdio_transport() -> StreamTransport:
     """This process's stdin/stdout as a frame transport (stdout then carries frames only)."""
+    return StreamTransport(*await stdio_streams())
+
+
+async def stdio_streams() -> tuple[asyncio.StreamReader, ByteWriter]:
+    """This process's stdin and stdout as byte streams (stdout then carries only what is
+    written here): a pipe, socket or terminal is watched by the loop, a regular file is read
+    and written in a thread."""
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 20)
     stdin, stdout = sys.stdin.fileno(), sys.stdout.fileno()
@@ -137,7 +144,7 @@ async def stdio_transport() -> StreamTransport:
         writer = asyncio.StreamWriter(transport, protocol, reader, loop)
     else:
         writer = _BlockingWriter(stdout)
-    return StreamTransport(reader, writer)
+    return reader, writer
 
 
 _PUMPS: set[asyncio.Task[None]] = set()

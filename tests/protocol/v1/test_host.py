@@ -1554,6 +1554,36 @@ def test_latest_measures_the_host_duration_from_arrival_to_answer() -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    ("offered", "revision"),
+    [
+        ((LIMITS,), WireRevision.PINNED),  # what upstream 0.149 offers
+        ((), WireRevision.PINNED),
+        ((LIMITS, "dual-websocket-v1"), WireRevision.PINNED),
+        ((LIMITS, "yield-observation", "bounded-output-v1"), WireRevision.LATEST),  # 0.171
+        (("some-future-capability",), WireRevision.LATEST),
+    ],
+)
+def test_auto_takes_the_revision_from_the_hello(
+    offered: tuple[str, ...], revision: WireRevision
+) -> None:
+    state = HostProtocol(wire_revision="auto", clock=FakeClock(0))
+    before = state.wire_revision
+    assert before is WireRevision.PINNED  # until the hello says otherwise
+    _, messages = exchange(state, hello(*offered))
+    assert isinstance(messages[0], ConnectionReady)
+    # Capabilities the host does not know are still not granted.
+    assert set(messages[0].capabilities) <= {LIMITS}
+    assert state.wire_revision is revision
+    opened(state)
+    admitted(state, 2, "1")
+    state.initial_response(2, Yielded(CellId("1"), []))
+    timing = 0 if revision is WireRevision.LATEST else UNSET
+    assert sent(state) == [
+        ExecuteInitialResponse(2, WireOk(WireRuntimeResponse(yielded=WireYielded("1", [], timing))))
+    ]
+
+
 def test_the_pinned_revision_writes_no_timing_and_reads_no_clock() -> None:
     state = host(clock=no_clock)
     assert state.wire_revision is WireRevision.PINNED

@@ -60,7 +60,7 @@ from codemode.protocol.v1.endpoint import Endpoint
 from codemode.protocol.v1.handshake import Negotiated, negotiate
 from codemode.protocol.v1.lanes import Lane
 from codemode.protocol.v1.recent import RecentIds
-from codemode.protocol.v1.revision import WireRevision
+from codemode.protocol.v1.revision import AUTO_REVISION, WireRevision, revision_for_hello
 
 __all__ = ["SESSION_CALLBACK_RESERVE", "HostProtocol"]
 
@@ -119,7 +119,8 @@ class HostProtocol(Endpoint[wire.ClientToHost, wire.HostToClient, ev.HostEvent])
     """The host side of one V1 connection (§3.3, §8), sans-I/O.
 
     With ``wire_revision=latest`` runtime responses carry ``code_mode_host_duration_ns``,
-    measured with ``clock`` from a request's arrival to its answer.
+    measured with ``clock`` from a request's arrival to its answer; with ``"auto"`` the client's
+    hello chooses (:func:`~codemode.protocol.v1.revision.revision_for_hello`).
     """
 
     def __init__(
@@ -134,8 +135,10 @@ class HostProtocol(Endpoint[wire.ClientToHost, wire.HostToClient, ev.HostEvent])
     ) -> None:
         super().__init__(_DECODER)
         self._capabilities = frozenset(capabilities)
+        # "auto": the hello decides (revision_for_hello); until then, pinned.
+        self._auto = wire_revision == AUTO_REVISION
         #: The shape runtime responses are written in (``latest`` adds the timing fields).
-        self.wire_revision = WireRevision(wire_revision)
+        self.wire_revision = WireRevision.PINNED if self._auto else WireRevision(wire_revision)
         self._timed = self.wire_revision is WireRevision.LATEST
         self._max_in_flight = max_in_flight_requests
         self._max_active_cells = max_active_cells
@@ -200,6 +203,9 @@ class HostProtocol(Endpoint[wire.ClientToHost, wire.HostToClient, ev.HostEvent])
             return
         self.negotiated = granted
         self._dual = granted.dual_websocket
+        if self._auto and isinstance(first, wire.ConnectionHello):
+            self.wire_revision = revision_for_hello(first)
+            self._timed = self.wire_revision is WireRevision.LATEST
         self._emit(ev.HandshakeComplete(granted))
 
     def _request(self, message: wire.OperationRequest) -> None:

@@ -19,8 +19,13 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Final
 
+from codemode.protocol.constants import (
+    DUAL_WEBSOCKET_CAPABILITY,
+    SESSION_RESOURCE_LIMITS_CAPABILITY,
+)
 from codemode.protocol.v1.messages import (
     UNSET,
+    ConnectionHello,
     ExecuteInitialResponse,
     OperationResponse,
     UnsetType,
@@ -33,7 +38,14 @@ from codemode.protocol.v1.messages import (
     WireYielded,
 )
 
-__all__ = ["BUFFERED_FIELD", "DURATION_FIELD", "WireRevision", "check_revision"]
+__all__ = [
+    "AUTO_REVISION",
+    "BUFFERED_FIELD",
+    "DURATION_FIELD",
+    "WireRevision",
+    "check_revision",
+    "revision_for_hello",
+]
 
 DURATION_FIELD: Final = "code_mode_host_duration_ns"
 BUFFERED_FIELD: Final = "result_buffered_for_ns"
@@ -46,6 +58,29 @@ class WireRevision(StrEnum):
     PINNED = "pinned"
     #: Upstream 0.164+ (checked against 0.171.0): both timing fields, required.
     LATEST = "latest"
+
+
+#: A host's ``wire_revision`` that reads the revision off each client's hello
+#: (:func:`revision_for_hello`); not a revision of its own, and meaningless to a decoder.
+AUTO_REVISION: Final = "auto"
+#: The capabilities V1 as pinned defines.
+PINNED_CAPABILITIES: Final = frozenset(
+    {SESSION_RESOURCE_LIMITS_CAPABILITY, DUAL_WEBSOCKET_CAPABILITY}
+)
+
+
+def revision_for_hello(hello: ConnectionHello) -> WireRevision:
+    """``latest`` when ``hello`` lists a capability V1 as pinned does not define, else ``pinned``.
+
+    Both revisions greet the same way, but upstream clients that require the timing fields
+    (0.171 offers ``bounded-output-v1``, ``yield-observation``, ...) also offer capabilities that
+    came after the pinned revision, while a pinned client (0.149 offers only
+    ``session-cell-execution-resource-limits``) offers none: the one observable difference
+    before the first runtime response. A heuristic, for hosts that serve both (a drop-in
+    ``codex-code-mode-host``); a host that knows its clients says ``pinned`` or ``latest``.
+    """
+    listed = set(hello.required_capabilities) | set(hello.optional_capabilities)
+    return WireRevision.LATEST if listed - PINNED_CAPABILITIES else WireRevision.PINNED
 
 
 def check_revision(message: object, revision: WireRevision) -> str | None:
