@@ -4,7 +4,10 @@ Figures (each host measured in the same run, alternating blocks):
 
 * trivial execute (``text(1)``) → its initial response, p50 / p99, back to back and 10 ms apart;
 * cells per second back to back on one session;
-* nested call round trip (a cell awaiting a tool 300 times), µs per call.
+* nested call round trip (a cell awaiting a tool 300 times), µs per call;
+* start-up: host process started → hello, session, first trivial cell's result, ms (a fresh
+  process each time; with ``PYTHONDONTWRITEBYTECODE`` set, ours recompiles its modules on every
+  start).
 
 The client writes frames with ``struct`` + ``json`` and answers ``delegate/request`` itself, so the
 figures include no codemode client code. The upstream host (``codex-code-mode-host`` of
@@ -33,6 +36,7 @@ PACED_S: Final = 0.010
 RATE_CELLS: Final = 200
 NESTED_CALLS: Final = 300
 BLOCKS: Final = 2
+STARTS: Final = 5
 
 
 class RawClient:
@@ -171,6 +175,17 @@ def nested_us(client: RawClient) -> float:
     return ms * 1e3 / NESTED_CALLS
 
 
+def start_ms(command: list[str]) -> float:
+    """Spawn the host, open a session, run one trivial cell: how long until its result."""
+    began = time.perf_counter()
+    client = RawClient(command)
+    try:
+        client.execute("text(1)")
+        return (time.perf_counter() - began) * 1e3
+    finally:
+        client.close()
+
+
 def hosts() -> dict[str, list[str] | str]:
     """Host name → command, or the reason it is not available."""
     found: dict[str, list[str] | str] = {
@@ -207,6 +222,9 @@ def main() -> None:
                 into.setdefault("paced", []).extend(latencies(client, PACED_S))
                 into.setdefault("rate", []).append(cells_per_second(client))
                 into.setdefault("nested", []).append(nested_us(client))
+                command = commands[name]
+                assert isinstance(command, list)
+                into.setdefault("start", []).extend(start_ms(command) for _ in range(STARTS))
     finally:
         for client in clients.values():
             client.close()
@@ -217,7 +235,7 @@ def main() -> None:
         if values is None:
             reason = commands[name]
             return f"n/a ({reason})" if isinstance(reason, str) else "n/a"
-        if key in ("b2b", "paced"):
+        if key in ("b2b", "paced", "start"):
             return f"{statistics.median(values):.2f} / {percentile(values, 99):.2f}"
         return f"{statistics.median(values):.0f}"
 
@@ -228,6 +246,7 @@ def main() -> None:
         ("paced", "trivial execute, 10 ms apart, p50 / p99, ms"),
         ("rate", "cells per second, one session back to back"),
         ("nested", "nested call, sequential, us/call"),
+        ("start", "host start -> first cell result, p50 / p99, ms"),
     ):
         ratio = ""
         if key in figures.get(ours, {}) and key in figures.get(theirs, {}):

@@ -4,6 +4,7 @@ Run model-written JavaScript cells that call your tools back, in process or on a
 """
 
 import logging
+from typing import TYPE_CHECKING, Any
 
 from codemode.errors import (
     CodeModeError,
@@ -14,7 +15,6 @@ from codemode.errors import (
     RemoteProtocolError,
     WireConversionError,
 )
-from codemode.model import CodeMode, Tool, ToolRegistry, tool
 from codemode.protocol import (
     CellId,
     CodeModeNestedToolCall,
@@ -48,7 +48,23 @@ from codemode.session import (
     StartedCell,
 )
 
+if TYPE_CHECKING:
+    from codemode.model import CodeMode, Tool, ToolRegistry, tool
+
 __version__ = "0.1.0"
+
+#: Imported on first use: a host process (``codemode host``, ``codex-code-mode-host``) never needs
+#: the model-facing layer, and it is the larger part of what ``import codemode`` would load.
+_MODEL_NAMES = frozenset({"CodeMode", "Tool", "ToolRegistry", "tool"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODEL_NAMES:
+        import codemode.model
+
+        return getattr(codemode.model, name)
+    raise AttributeError(f"module 'codemode' has no attribute {name!r}")
+
 
 # A library logs only where its application configures logging: without this handler Python's
 # last-resort handler would print codemode's warnings and tracebacks to stderr.

@@ -3,29 +3,42 @@
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import os
 import sys
 from collections.abc import Sequence
 
-from codemode.cli import codex, doctor, host, run, wire
-
 __all__ = ["main"]
 
 
-def _parser() -> argparse.ArgumentParser:
+class _Version(argparse.Action):
+    """``--version``, looked up only when asked (``importlib.metadata`` is slow to import)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="show the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        print(f"codemode {_version()}")
+        parser.exit()
+
+
+def _parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The command line; ``only`` builds just that command (and imports just its module)."""
+    from importlib import import_module
+
     parser = argparse.ArgumentParser(
         prog="codemode",
         description="Code Mode protocol tools: run cells, serve hosts, check wire data.",
     )
-    parser.add_argument("--version", action="version", version=f"codemode {_version()}")
+    parser.add_argument("--version", action=_Version)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (run, host, doctor, wire, codex):
-        command.add_parser(commands)
+    for name in (only,) if only else ("run", "host", "doctor", "wire", "codex"):
+        import_module(f"codemode.cli.{name}").add_parser(commands)
     return parser
 
 
 def _version() -> str:
+    import importlib.metadata
+
     try:
         return importlib.metadata.version("codemode")
     except importlib.metadata.PackageNotFoundError:  # pragma: no cover - run from a source tree
@@ -34,9 +47,10 @@ def _version() -> str:
         return __version__
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
-    args = _parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, *, only: str | None = None) -> int:
+    """Run the command line; returns the exit status. ``only`` names the one command ``argv``
+    may use (the others are then not imported)."""
+    args = _parser(only).parse_args(argv)
     try:
         status: int = args.handler(args)
         sys.stdout.flush()

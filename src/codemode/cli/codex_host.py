@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     from codemode.cli import main as codemode_main
 
-    return codemode_main(host_arguments(argv))
+    return codemode_main(host_arguments(argv), only="host")
 
 
 if __name__ == "__main__":  # pragma: no cover
