@@ -626,13 +626,6 @@ async def test_c12_abandonment_before_start_ignores_later_cell_closure(
     assert session.is_alive()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kept on purpose: a ToolCall that arrives after abandonment still reaches the "
-    "delegate (already cancelled) instead of being answered closed, because the one contract "
-    "suite (test_abandoning_a_started_cell_terminates_it) holds every carrier to the delegate "
-    "seeing that call and its cancellation, as V1 does; admitted callbacks are cancelled at once",
-)
 async def test_c13_abandonment_revokes_callbacks_and_ignores_late_events(
     scripted: Scripted,
 ) -> None:

@@ -200,6 +200,7 @@ class _Execution:
     claimed: bool = False
     closed: bool = False
     released: bool = False
+    abandoned: bool = False
     notifications: int = 0
     invocations: set[str] = field(default_factory=set)
 
@@ -562,7 +563,9 @@ class _Binding:
 
     def _abandon(self, record: _Execution, call: Any) -> None:
         """The caller dropped the started cell before its initial response (§5): its tool
-        callbacks are cancelled at once, and the host is asked to terminate it."""
+        callbacks are cancelled at once, later ones are answered closed (§14.1), and the host is
+        asked to terminate it."""
+        record.abandoned = True
         call.cancel()
         for invocation_id in list(record.invocations):
             callback = self._invocations.get(invocation_id)
@@ -918,7 +921,7 @@ class _Binding:
                 self._bind(record, call.cell_id)
                 self._admit(invocation_id, record, conversions.tool_call_to_domain(call), True)
             return
-        if record is None or record.closed or record.released:
+        if record is None or record.closed or record.released or record.abandoned:
             self._answer(invocation_id, CallbackFailed(texts.cell_is_closed(call.cell_id)))
             return
         self._bind(record, call.cell_id)
