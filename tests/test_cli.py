@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from codemode.model.toolfile import load_tool_file
 from codemode.model.typescript import render_tool_declaration
 from codemode.protocol.v1.messages import OperationCancel
@@ -305,6 +307,34 @@ def test_host_listens_on_grpc_until_sigterm() -> None:
         child.send_signal(signal.SIGTERM)
         assert child.wait(timeout=30) == 0
         assert b"event=listening url=grpc://127.0.0.1:" in child.stderr.read()
+
+
+def test_host_bounds_grpc_sessions() -> None:
+    import grpc
+
+    from codemode.grpc_stubs import v1_pb2_grpc
+    from codemode.protocol.grpc import v1_pb2 as pb
+
+    command = [
+        *(sys.executable, "-m", "codemode", "host", "--listen", "grpc://127.0.0.1:0"),
+        *("--max-sessions", "1"),
+    ]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) as child:
+        assert child.stdout is not None
+        url = child.stdout.readline().decode().strip()
+        try:
+            with grpc.insecure_channel(url.removeprefix("grpc://")) as channel:
+                stub = v1_pb2_grpc.CodeModeHostStub(channel)
+                first = stub.OpenSession(pb.OpenSessionRequest(), timeout=30)
+                assert next(first).WhichOneof("event") == "opened"
+                second = stub.OpenSession(pb.OpenSessionRequest(), timeout=30)
+                with pytest.raises(grpc.RpcError) as caught:
+                    next(second)
+                assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                first.cancel()
+        finally:
+            child.send_signal(signal.SIGTERM)
+            assert child.wait(timeout=30) == 0
 
 
 def test_host_refuses_a_public_grpc_address() -> None:

@@ -32,7 +32,7 @@ from codemode.runtime import confinement
 from codemode.transports import stdio_transport
 
 if TYPE_CHECKING:
-    from codemode.host.grpc import GrpcTls
+    from codemode.host.grpc import GrpcHostOptions, GrpcTls
 
 __all__ = ["add_parser"]
 
@@ -190,6 +190,19 @@ def _host_grpc_command(args: argparse.Namespace, listen: str) -> int:
     return asyncio.run(_host_grpc(args, listen, token, tls))
 
 
+def _grpc_options(args: argparse.Namespace) -> GrpcHostOptions:
+    from codemode.host.grpc import DEFAULT_KEEPALIVE_TIMEOUT, GrpcHostOptions
+
+    return GrpcHostOptions(
+        max_active_cells=args.max_active_cells,
+        max_in_flight_requests=args.max_in_flight_requests,
+        max_sessions=args.max_sessions,
+        keepalive_time=args.ping_interval,
+        # gRPC has no "never": a timeout of 0 keeps the default.
+        keepalive_timeout=args.ping_timeout or DEFAULT_KEEPALIVE_TIMEOUT,
+    )
+
+
 def _host_grpc_stdio_command(args: argparse.Namespace, listen: str) -> int:
     if listen.rstrip("/") != "grpc+stdio:":
         print(f"codemode host: --listen {listen}: expected grpc+stdio://", file=sys.stderr)
@@ -213,7 +226,6 @@ def _host_grpc_stdio_command(args: argparse.Namespace, listen: str) -> int:
 
 
 async def _host_grpc_stdio(args: argparse.Namespace) -> int:
-    from codemode.host.grpc import GrpcHostOptions
     from codemode.host.grpc_stdio import serve_grpc_stdio
 
     provider = local_provider(args, store_load=not args.no_store_load)
@@ -223,10 +235,7 @@ async def _host_grpc_stdio(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    options = GrpcHostOptions(
-        max_active_cells=args.max_active_cells,
-        max_in_flight_requests=args.max_in_flight_requests,
-    )
+    options = _grpc_options(args)
     try:
         await serve_grpc_stdio(
             provider, options=options, stop=stop, shutdown_grace=args.shutdown_grace
@@ -243,7 +252,7 @@ async def _host_grpc_stdio(args: argparse.Namespace) -> int:
 async def _host_grpc(
     args: argparse.Namespace, listen: str, token: str | None, tls: GrpcTls | None
 ) -> int:
-    from codemode.host.grpc import GrpcHostOptions, serve_grpc
+    from codemode.host.grpc import serve_grpc
 
     provider = local_provider(args, store_load=not args.no_store_load)
     logging.getLogger("codemode.host").info("%s", confinement.probe().describe())
@@ -251,10 +260,7 @@ async def _host_grpc(
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    options = GrpcHostOptions(
-        max_active_cells=args.max_active_cells,
-        max_in_flight_requests=args.max_in_flight_requests,
-    )
+    options = _grpc_options(args)
     try:
         await serve_grpc(
             provider,
@@ -332,14 +338,22 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=float,
         default=DEFAULT_PING_INTERVAL,
         metavar="SECONDS",
-        help="WebSocket: keepalive ping period (0: none)",
+        help="WebSocket and gRPC: keepalive ping period (0: none)",
     )
     host.add_argument(
         "--ping-timeout",
         type=float,
         default=DEFAULT_PING_TIMEOUT,
         metavar="SECONDS",
-        help="WebSocket: a connection whose pong takes longer ends, with its sessions (0: never)",
+        help="WebSocket and gRPC: a connection whose pong takes longer ends, with its sessions "
+        "(0: never; gRPC keeps its default then)",
+    )
+    host.add_argument(
+        "--max-sessions",
+        type=positive,
+        default=None,
+        metavar="N",
+        help="gRPC: open sessions at once (more get RESOURCE_EXHAUSTED; default: no bound)",
     )
     host.add_argument(
         "--shutdown-grace",
