@@ -20,7 +20,7 @@ import json
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -59,10 +59,21 @@ from codemode.protocol.types import (
     Yielded,
 )
 from codemode.runtime import LocalSessionProvider
-from codemode.session import CancellationToken, CodeModeSessionDelegate
+from codemode.session import CancellationToken, CodeModeSessionDelegate, StartedCell
 
 ECHO = ToolDefinition("echo", ToolName("echo"), "echo")
 FOREVER = "await new Promise(() => {})"
+
+
+#: Started cells a test keeps alive: dropping a StartedCell abandons its cell (its later tool
+#: calls are then answered closed), which is not what those tests are about.
+KEPT: list[StartedCell] = []
+
+
+@pytest.fixture(autouse=True)
+def _release_kept_cells() -> Iterator[None]:
+    yield
+    KEPT.clear()
 
 
 # -- delegates -------------------------------------------------------------------------------------
@@ -442,7 +453,7 @@ async def test_c05_reconnect_maps_every_delegate_callback_to_its_generation(
     delegate = Delegate()
     session = await reconnect_to_generation_two(scripted, delegate)
     scripted.fake.execute = starts_then("42", asyncio.Event())
-    await session.execute(ExecuteRequest("c", "", [ECHO]))
+    KEPT.append(await session.execute(ExecuteRequest("c", "", [ECHO])))
     lease = scripted.fake.leases[-1]
     execution_id = lease.executions[-1].execution_id
     await lease.calls.put(tool_call(lease, execution_id, cell="42"))
@@ -508,7 +519,7 @@ async def test_c08_cell_closure_drains_notifications_and_cancels_tool_callbacks(
 
     delegate.tool, delegate.note = tool, note
     scripted.fake.execute = starts_then()
-    await session.execute(ExecuteRequest("c", "", [ECHO]))
+    KEPT.append(await session.execute(ExecuteRequest("c", "", [ECHO])))
     execution_id = lease.executions[0].execution_id
     await lease.calls.put(tool_call(lease, execution_id))
     await lease.events.put(notification(execution_id))
@@ -578,7 +589,7 @@ async def test_c11_callbacks_cannot_claim_another_executions_cell(
     active cell ID cell`."""
     session, lease = await scripted.open(Delegate())
     scripted.fake.execute = starts_then("cell")
-    await session.execute(ExecuteRequest("c", "", [ECHO]))
+    KEPT.append(await session.execute(ExecuteRequest("c", "", [ECHO])))
     gate = asyncio.Event()
 
     async def second(request: Any, context: Any) -> AsyncIterator[pb.ExecuteEvent]:
@@ -594,7 +605,7 @@ async def test_c11_callbacks_cannot_claim_another_executions_cell(
 
     scripted.fake.execute = second
     with pytest.raises(CodeModeError) as caught:
-        await session.execute(ExecuteRequest("c", "", [ECHO]))
+        KEPT.append(await session.execute(ExecuteRequest("c", "", [ECHO])))
     assert str(caught.value) == "code-mode host reused active cell ID cell"
     await fails_with(session, "code-mode host reused active cell ID cell")
 
@@ -677,7 +688,7 @@ async def test_c14_invocation_cancellation_revokes_delegate_and_late_completion(
 
     delegate.tool = tool
     scripted.fake.execute = starts_then()
-    await session.execute(ExecuteRequest("c", "", [ECHO]))
+    KEPT.append(await session.execute(ExecuteRequest("c", "", [ECHO])))
     execution_id = lease.executions[0].execution_id
     invocation = str(uuid.uuid4())
     await lease.calls.put(tool_call(lease, execution_id, invocation))
@@ -695,7 +706,7 @@ async def test_c15_duplicate_invocation_ids_are_rejected(scripted: Scripted) -> 
     """`duplicate_invocation_ids_are_rejected` — reusing a finished invocation id is an error."""
     session, lease = await scripted.open(Delegate())
     scripted.fake.execute = starts_then()
-    await session.execute(ExecuteRequest("c", "", [ECHO]))
+    KEPT.append(await session.execute(ExecuteRequest("c", "", [ECHO])))
     execution_id = lease.executions[0].execution_id
     invocation = str(uuid.uuid4())
     await lease.calls.put(tool_call(lease, execution_id, invocation))
@@ -713,7 +724,7 @@ async def test_c16_tool_callbacks_must_match_the_executions_enabled_tools(
     delegate = Delegate()
     session, lease = await scripted.open(delegate)
     scripted.fake.execute = starts_then()
-    await session.execute(ExecuteRequest("c", "", [ECHO]))
+    KEPT.append(await session.execute(ExecuteRequest("c", "", [ECHO])))
     execution_id = lease.executions[0].execution_id
     cases = [
         (tool_call(lease, execution_id, name="hidden"), texts.tool_not_enabled("hidden")),
@@ -790,7 +801,7 @@ async def test_c19_malformed_callback_ids_are_rejected_before_retention(
     delegate = Delegate()
     session, lease = await scripted.open(delegate)
     scripted.fake.execute = starts_then()
-    await session.execute(ExecuteRequest("c", "", [ECHO]))
+    KEPT.append(await session.execute(ExecuteRequest("c", "", [ECHO])))
     execution_id = lease.executions[0].execution_id
     if variant == "invocation":
         await lease.calls.put(tool_call(lease, execution_id, "not-a-uuid"))
@@ -840,7 +851,7 @@ async def test_c20_notifications_and_tools_share_the_pending_delegate_limit(
 
     delegate.note = note
     scripted.fake.execute = starts_then()
-    await session.execute(ExecuteRequest("c", "", [ECHO]))
+    KEPT.append(await session.execute(ExecuteRequest("c", "", [ECHO])))
     execution_id = lease.executions[0].execution_id
     for index in range(1024):
         event = notification(execution_id)
@@ -916,7 +927,7 @@ async def test_c22_disconnect_revokes_callbacks_and_returns_each_live_cell_once(
     delegate.tool, delegate.note = tool, note
     for cell in ("1", "2"):
         scripted.fake.execute = starts_then(cell)
-        await session.execute(ExecuteRequest("c", "", [ECHO]))
+        KEPT.append(await session.execute(ExecuteRequest("c", "", [ECHO])))
     first = lease.executions[0].execution_id
     await lease.calls.put(tool_call(lease, first))
     await lease.events.put(notification(first))
@@ -965,7 +976,7 @@ async def test_c24_delegate_errors_are_truncated_at_a_utf8_boundary(scripted: Sc
 
     delegate.tool = tool
     scripted.fake.execute = starts_then()
-    await session.execute(ExecuteRequest("c", "", [ECHO]))
+    KEPT.append(await session.execute(ExecuteRequest("c", "", [ECHO])))
     await lease.calls.put(tool_call(lease, lease.executions[0].execution_id))
     await eventually(lambda: lease.completions)
     message = lease.completions[0].failed.message
@@ -1270,7 +1281,7 @@ async def test_c37_missing_invocation_completion_racing_cancellation_preserves_s
 
     scripted.fake.complete = complete
     scripted.fake.execute = starts_then()
-    await session.execute(ExecuteRequest("c", "", [ECHO]))
+    KEPT.append(await session.execute(ExecuteRequest("c", "", [ECHO])))
     await lease.calls.put(tool_call(lease, lease.executions[0].execution_id))
     await eventually(lambda: lease.completions)
     await asyncio.sleep(0.5)
