@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -20,6 +22,7 @@ from codemode.protocol import (
     ExecuteRequest,
     InputImage,
     InputText,
+    ParsedExecSource,
     Result,
     RuntimeResponse,
     Terminated,
@@ -49,6 +52,52 @@ def _print_rendered(response: RuntimeResponse, seconds: float, max_tokens: int |
     print("\n".join(_describe_item(item) for item in rendered.items), flush=True)
 
 
+def _mcp_server(text: str) -> tuple[str, list[str]]:
+    """An argparse type: ``NAME=COMMAND ARGS`` (the command split as a POSIX shell would)."""
+    name, equals, command = text.partition("=")
+    if not equals or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME='COMMAND ARGS', got {text!r}")
+    try:
+        argv = shlex.split(command)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"cannot split the command of {name}: {error}") from None
+    if not argv:
+        raise argparse.ArgumentTypeError(f"MCP server {name} has no command")
+    return name.strip(), argv
+
+
+def _leaf_errors(error: BaseException) -> list[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for inner in error.exceptions for leaf in _leaf_errors(inner)]
+    return [error]
+
+
+async def _start_mcp_servers(
+    stack: contextlib.AsyncExitStack, registry: ToolRegistry, servers: list[tuple[str, list[str]]]
+) -> None:
+    """Start each stdio MCP server of ``--mcp`` for the run and register its tools."""
+    try:
+        from mcp import StdioServerParameters
+
+        from codemode.tools.mcp import mcp_tools
+    except ImportError:
+        raise CodeModeError("--mcp needs the MCP SDK: pip install 'codemode[mcp]'") from None
+    for name, argv in servers:
+        parameters = StdioServerParameters(command=argv[0], args=argv[1:])
+        try:
+            tools = await stack.enter_async_context(mcp_tools(name, parameters))
+        except Exception as error:
+            reasons = "; ".join(f"{type(leaf).__name__}: {leaf}" for leaf in _leaf_errors(error))
+            raise CodeModeError(
+                f"cannot start MCP server {name} ({shlex.join(argv)}): {reasons}"
+            ) from None
+        for item in tools:
+            try:
+                registry.add(item)
+            except ValueError as error:
+                raise CodeModeError(f"MCP server {name}: {error}") from None
+
+
 async def _run(args: argparse.Namespace) -> int:
     if args.file == "-":
         source = sys.stdin.read()
@@ -71,6 +120,18 @@ async def _run(args: argparse.Namespace) -> int:
     except CodeModeError as error:
         print(f"codemode: {error}", file=sys.stderr)
         return 2
+    async with contextlib.AsyncExitStack() as servers:
+        try:
+            await _start_mcp_servers(servers, registry, args.mcp or [])
+        except CodeModeError as error:
+            print(f"codemode: {error}", file=sys.stderr)
+            return 2
+        return await _run_cell(args, parsed, registry)
+
+
+async def _run_cell(
+    args: argparse.Namespace, parsed: ParsedExecSource, registry: ToolRegistry
+) -> int:
     yield_ms = args.yield_ms if args.yield_ms is not None else parsed.yield_time_ms
     max_tokens = args.max_output_tokens
     if max_tokens is None:
@@ -141,7 +202,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="run one JavaScript cell on the embedded runtime",
         description="Run FILE (or - for stdin) as one code-mode cell, exactly as the exec tool "
         "would: a first-line `// @exec: {...}` pragma is honoured, the cell can call the tools "
-        "of --tools, and a cell that yields is waited on until it completes. Prints what the "
+        "of --tools and --mcp, and a cell that yields is waited on until it completes. Prints what the "
         "model would see; --json prints the final RuntimeResponse (all items of the run) as one "
         "line of V1 wire JSON. Exit status: 0 completed, 1 script error, 2 usage error.",
     )
@@ -151,6 +212,14 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="PATH.py",
         help="Python file whose public top-level functions (sync or async) become tools, "
         "typed by their hints as @tool does",
+    )
+    run.add_argument(
+        "--mcp",
+        action="append",
+        type=_mcp_server,
+        metavar="NAME='COMMAND ARGS'",
+        help="start this stdio MCP server for the run; its tools are tools.mcp__NAME__TOOL "
+        "(repeatable; needs codemode[mcp])",
     )
     run.add_argument(
         "--yield-ms", type=non_negative, metavar="N", help="yield time of each observation"

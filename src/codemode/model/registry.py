@@ -22,6 +22,7 @@ from typing import Any, Final, Generic, ParamSpec, TypeVar, overload
 import msgspec
 
 from codemode.errors import CodeModeError
+from codemode.model import pydantic_types
 from codemode.model.exec_tool import NamespaceDescription
 from codemode.protocol.constants import PUBLIC_TOOL_NAME, WAIT_TOOL_NAME
 from codemode.protocol.types import (
@@ -77,17 +78,65 @@ class ToolContext:
     cancellation: CancellationToken
 
 
+def _field_type(annotation: object) -> object:
+    """The type msgspec is given for an annotation: pydantic-typed ones go through pydantic.
+
+    Raises ``TypeError`` when pydantic cannot handle an annotation that involves it.
+    """
+    if pydantic_types.involves_pydantic(annotation):
+        return pydantic_types.wrap(annotation)
+    return annotation
+
+
 def _schema_of(annotation: object, extra_keys: object = None) -> dict[str, JSON]:
     """A self-contained JSON Schema of a type: the root inlined, other components in ``$defs``.
 
     ``extra_keys`` (the annotation of a ``**kwargs`` parameter) becomes ``additionalProperties``.
     """
-    types = [annotation] if extra_keys is None else [annotation, extra_keys]
-    roots, components = msgspec.json.schema_components(types, ref_template="#/$defs/{name}")
+    annotation = _field_type(annotation)
+    types = [annotation] if extra_keys is None else [annotation, _field_type(extra_keys)]
+    roots, components = msgspec.json.schema_components(
+        types, schema_hook=pydantic_types.schema_hook, ref_template="#/$defs/{name}"
+    )
+    # Schemas pydantic made carry their own `$defs`: hoist them where their refs point.
+    hoisted: dict[str, JSON] = {}
+    roots = tuple(_hoist_defs(root, hoisted) for root in roots)
+    components = {key: _hoist_defs(value, hoisted) for key, value in components.items()}
+    for key, value in hoisted.items():
+        _add_component(components, key, value)
     schema = _inline_root(roots[0], components)
     if extra_keys is not None:
         schema["additionalProperties"] = roots[1] or True  # `Any` has the empty schema
     return schema
+
+
+def _hoist_defs(schema: Any, into: dict[str, JSON]) -> Any:
+    """``schema`` without nested ``$defs`` maps, whose entries are moved to ``into``."""
+    if isinstance(schema, list):
+        return [_hoist_defs(item, into) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    result = {}
+    for key, value in schema.items():
+        if key == "$defs" and isinstance(value, dict):
+            for name, definition in value.items():
+                _add_component(into, name, _hoist_defs(definition, into))
+        else:
+            result[key] = _hoist_defs(value, into)
+    return result
+
+
+def _add_component(components: dict[str, JSON], name: str, schema: JSON) -> None:
+    if components.setdefault(name, schema) != schema:
+        raise ValueError(f"two different types are both named `{name}`")
+
+
+def _no_schema(flat: str, what: str, annotation: object, error: Exception) -> TypeError:
+    reason = str(error).strip().splitlines()[-1]  # msgspec's last line names the type
+    return TypeError(
+        f"tool `{flat}`: {what} {annotation!r} has no JSON Schema ({reason}); "
+        "annotate a JSON type (use Any for any value)"
+    )
 
 
 def _result_schema(flat: str, annotation: object) -> JSON:
@@ -97,11 +146,25 @@ def _result_schema(flat: str, annotation: object) -> JSON:
     try:
         return _schema_of(annotation)
     except (TypeError, ValueError) as error:
-        reason = str(error).strip().splitlines()[-1]  # msgspec's last line names the type
-        raise TypeError(
-            f"tool `{flat}`: its return annotation {annotation!r} has no JSON Schema ({reason}); "
-            "annotate a JSON type (use Any for any value), or pass output_schema="
-        ) from None
+        failure = _no_schema(flat, "its return annotation", annotation, error)
+        raise TypeError(f"{failure}, or pass output_schema=") from None
+
+
+def _is_async(call: object) -> bool:
+    if inspect.iscoroutinefunction(call):
+        return True
+    method = getattr(call, "__call__", None)  # noqa: B004 - an object with an async __call__
+    return inspect.iscoroutinefunction(method)
+
+
+def _context_parameter_of(call: Callable[..., Any]) -> str | None:
+    """The parameter of ``call`` annotated :class:`ToolContext`, if any."""
+    target = call if inspect.isroutine(call) else getattr(call, "__call__", call)  # noqa: B004
+    try:
+        hints = typing.get_type_hints(target)
+    except Exception:  # a builtin, a partial, unresolvable names: no context parameter
+        return None
+    return next((name for name, hint in hints.items() if hint is ToolContext), None)
 
 
 def _inline_root(root: dict[str, JSON], components: dict[str, JSON]) -> dict[str, JSON]:
@@ -137,13 +200,17 @@ def _default_field(default: object) -> object:
 
 
 class Tool(Generic[P, R]):
-    """A Python function published as a nested tool; calling it calls the function."""
+    """A Python function published as a nested tool; calling it calls the function.
+
+    Made by :func:`tool` from type hints, or by :meth:`from_schema` from JSON Schemas.
+    """
 
     __slots__ = (
         "_args_type",
         "_context_parameter",
         "_extra_keys",
         "_positional",
+        "_whole_arguments",
         "definition",
         "function",
         "is_async",
@@ -161,11 +228,13 @@ class Tool(Generic[P, R]):
     ) -> None:
         self.function = function
         self.is_async = inspect.iscoroutinefunction(function)
+        self._whole_arguments = False
         tool_name = ToolName(name or function.__name__, namespace)
-        flat = flat_tool_name(tool_name)
-        if namespace is None and flat in (PUBLIC_TOOL_NAME, WAIT_TOOL_NAME):
-            raise ValueError(f"`{flat}` is reserved: exec and wait are never nested tools")
-        hints = typing.get_type_hints(function, include_extras=True)
+        flat = _checked_flat_name(tool_name)
+        try:
+            hints = typing.get_type_hints(function, include_extras=True)
+        except NameError as error:  # a hint naming a type not visible from the function's module
+            raise TypeError(f"tool `{flat}`: cannot resolve its type hints ({error})") from None
         fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
         positional: list[str] = []
         self._context_parameter: str | None = None
@@ -175,14 +244,22 @@ class Tool(Generic[P, R]):
             annotation = hints.get(parameter.name, Any)
             if parameter.kind is parameter.VAR_POSITIONAL:
                 raise TypeError(f"tool `{flat}`: *args parameters are not supported")
+            if annotation is ToolContext and parameter.kind is not parameter.VAR_KEYWORD:
+                if parameter.kind is parameter.POSITIONAL_ONLY:
+                    positional.append(parameter.name)
+                self._context_parameter = parameter.name
+                continue
+            try:
+                annotation = _field_type(annotation)
+            except TypeError as error:
+                raise _no_schema(
+                    flat, f"parameter `{parameter.name}`:", annotation, error
+                ) from None
             if parameter.kind is parameter.VAR_KEYWORD:
                 self._extra_keys = dict[str, annotation]  # type: ignore[valid-type]
                 continue
             if parameter.kind is parameter.POSITIONAL_ONLY:
                 positional.append(parameter.name)
-            if annotation is ToolContext:
-                self._context_parameter = parameter.name
-                continue
             if parameter.default is parameter.empty:
                 fields.append((parameter.name, annotation))
             else:
@@ -200,7 +277,10 @@ class Tool(Generic[P, R]):
                 forbid_unknown_fields=self._extra_keys is None,
             )
             extra = None if self._extra_keys is None else self._extra_keys.__args__[1]
-            input_schema = _schema_of(self._args_type, extra)
+            try:
+                input_schema = _schema_of(self._args_type, extra)
+            except (TypeError, ValueError) as error:
+                raise _parameter_failure(flat, function, fields, error) from None
         if output_schema is None:
             output_schema = _result_schema(flat, hints.get("return", Any))
         elif not isinstance(output_schema, dict | bool):
@@ -215,6 +295,53 @@ class Tool(Generic[P, R]):
             output_schema=output_schema,
         )
 
+    @classmethod
+    def from_schema(
+        cls,
+        name: str,
+        description: str,
+        input_schema: Mapping[str, JSON],
+        call: Callable[..., Any],
+        *,
+        output_schema: Mapping[str, JSON] | None = None,
+        namespace: str | None = None,
+    ) -> Tool[..., Any]:
+        """A tool described by JSON Schemas rather than type hints.
+
+        ``call`` (sync or async) receives the argument object the cell passed, as a ``dict``,
+        and returns the JSON result (a pydantic model or msgspec struct is converted); a
+        parameter of ``call`` annotated :class:`ToolContext` receives the call's context by
+        keyword. The arguments are not validated against ``input_schema``: like every tool,
+        the call gets an object (no argument gives ``{}``), anything else is rejected before
+        ``call`` runs; checking the properties is ``call``'s business. The schemas are what
+        the model is shown (as TypeScript); ``output_schema=None`` declares ``unknown``.
+        """
+        if not isinstance(input_schema, Mapping):
+            raise TypeError(f"tool `{name}`: input_schema must be a JSON Schema object")
+        if output_schema is not None and not isinstance(output_schema, Mapping):
+            raise TypeError(f"tool `{name}`: output_schema must be a JSON Schema object or None")
+        if not callable(call):
+            raise TypeError(f"tool `{name}`: call must be callable")
+        tool_name = ToolName(name, namespace)
+        flat = _checked_flat_name(tool_name)
+        item: Tool[..., Any] = cls.__new__(cls)
+        item.function = call
+        item.is_async = _is_async(call)
+        item._whole_arguments = True
+        item._args_type = None
+        item._extra_keys = None
+        item._positional = ()
+        item._context_parameter = _context_parameter_of(call)
+        item.definition = ToolDefinition(
+            name=flat,
+            tool_name=tool_name,
+            description=description,
+            kind=CodeModeToolKind.FUNCTION,
+            input_schema=copy.deepcopy(dict(input_schema)),
+            output_schema=None if output_schema is None else copy.deepcopy(dict(output_schema)),
+        )
+        return item
+
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         return self.function(*args, **kwargs)
 
@@ -224,16 +351,24 @@ class Tool(Generic[P, R]):
     def _bind(self, arguments: JSON, context: ToolContext) -> tuple[list[Any], dict[str, Any]]:
         """Validate ``arguments`` against the type hints and split them for the call."""
         name = self.definition.name
+        if self._whole_arguments:
+            context_only = (
+                {} if self._context_parameter is None else {self._context_parameter: context}
+            )
+            return [arguments], context_only
         if self._args_type is None:
             values: dict[str, Any] = {self._freeform_parameter(): arguments}
         else:
+            hook = pydantic_types.dec_hook
             try:
-                converted = msgspec.convert(arguments, self._args_type)
+                converted = msgspec.convert(arguments, self._args_type, dec_hook=hook)
                 fields = converted.__struct_fields__
-                values = {field: getattr(converted, field) for field in fields}
+                unwrap = pydantic_types.unwrap
+                values = {field: unwrap(getattr(converted, field)) for field in fields}
                 if self._extra_keys is not None:
                     extra = {k: v for k, v in arguments.items() if k not in values}
-                    values.update(msgspec.convert(extra, self._extra_keys))
+                    extra = msgspec.convert(extra, self._extra_keys, dec_hook=hook)
+                    values.update({key: unwrap(value) for key, value in extra.items()})
             except msgspec.ValidationError as error:
                 raise CodeModeError(f"invalid arguments for tool `{name}`: {error}") from None
         if self._context_parameter is not None:
@@ -254,6 +389,8 @@ class Tool(Generic[P, R]):
                 result = await function(*args, **kwargs)
             else:
                 result = await asyncio.to_thread(function, *args, **kwargs)
+            if inspect.isawaitable(result):  # a sync callable that returned a coroutine
+                result = await result
         except CodeModeError:
             raise
         except asyncio.CancelledError:
@@ -265,11 +402,36 @@ class Tool(Generic[P, R]):
                 f"tool `{self.definition.name}` failed: {type(error).__name__}: {error}"
             ) from error
         try:
-            return msgspec.to_builtins(result)
+            return msgspec.to_builtins(result, enc_hook=pydantic_types.enc_hook)
         except (TypeError, ValueError) as error:
             raise CodeModeError(
                 f"tool `{self.definition.name}` returned a value that is not JSON: {error}"
             ) from None
+
+
+def _checked_flat_name(tool_name: ToolName) -> str:
+    flat = flat_tool_name(tool_name)
+    if tool_name.namespace is None and flat in (PUBLIC_TOOL_NAME, WAIT_TOOL_NAME):
+        raise ValueError(f"`{flat}` is reserved: exec and wait are never nested tools")
+    return flat
+
+
+def _parameter_failure(
+    flat: str,
+    function: Callable[..., Any],
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]],
+    error: Exception,
+) -> TypeError:
+    """The error naming the first parameter whose annotation has no JSON Schema."""
+    hints = typing.get_type_hints(function, include_extras=True)
+    for field in fields:
+        try:
+            _schema_of(field[1])
+        except (TypeError, ValueError) as failure:
+            original = hints.get(field[0], field[1])
+            return _no_schema(flat, f"parameter `{field[0]}`:", original, failure)
+    reason = str(error).strip().splitlines()[-1]
+    return TypeError(f"tool `{flat}`: its parameters have no JSON Schema ({reason})")
 
 
 def normalize_name(name: str) -> str:
@@ -307,8 +469,11 @@ def tool(
 
     ``name`` defaults to the function name, ``description`` to its docstring; the input schema
     comes from the parameters' type hints (``Annotated[..., msgspec.Meta(description=...)]`` adds
-    property descriptions). ``output_schema`` is a JSON Schema or a Python type. A ``freeform``
-    tool takes exactly one ``str``.
+    property descriptions), the output schema from the return annotation. A hint that involves
+    pydantic (a model, ``Annotated[int, Field(ge=0)]``) is described and validated by pydantic.
+    A hint with no JSON Schema raises ``TypeError`` naming the tool and the parameter.
+    ``output_schema`` is a JSON Schema or a Python type. A ``freeform`` tool takes exactly one
+    ``str``. For a tool described by JSON Schemas instead, see :meth:`Tool.from_schema`.
     """
 
     def decorate(function: Callable[P, R]) -> Tool[P, R]:

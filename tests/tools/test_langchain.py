@@ -1,0 +1,58 @@
+"""LangChain tools through their OpenAI schema, run with ``ainvoke`` from a real cell."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from langchain_core.tools import StructuredTool, ToolException
+from langchain_core.tools import tool as langchain_decorator
+
+from codemode.model import CodeMode
+from codemode.model.typescript import render_tool_declaration
+from codemode.tools import langchain_tool
+from tests.tools.cells import run_cell
+
+
+@langchain_decorator
+def multiply(a: int, b: Annotated[int, "the second factor"]) -> int:
+    """Multiply two integers."""
+    return a * b
+
+
+async def lookup(key: str) -> dict[str, str]:
+    if key == "missing":
+        raise ToolException(f"no entry for {key}")
+    return {"key": key, "value": key.upper()}
+
+
+LOOKUP = StructuredTool.from_function(
+    coroutine=lookup, name="lookup", description="Look a key up.", handle_tool_error=True
+)
+
+
+def test_declared_through_the_openai_schema() -> None:
+    item = langchain_tool(multiply, namespace="lc")
+    assert item.definition.name == "lc__multiply"
+    assert item.definition.description == "Multiply two integers."
+    assert render_tool_declaration(item.definition) == (
+        "lc__multiply(args: {\n  a: number;\n  // the second factor\n  b: number;\n}): "
+        "Promise<unknown>;"
+    )
+
+
+async def test_langchain_tools_in_a_real_cell() -> None:
+    source = """
+text(String(await tools.multiply({a: 6, b: 7})));
+text(JSON.stringify(await tools.lookup({key: "abc"})));
+text(JSON.stringify(await tools.lookup({key: "missing"})));
+try { await tools.multiply({a: "six", b: 7}) } catch (e) { text(String(e).split("\\n")[0]) }
+"""
+    async with CodeMode([langchain_tool(multiply), langchain_tool(LOOKUP)]) as code_mode:
+        run = await run_cell(code_mode, source)
+    assert run.success, run.texts
+    assert run.texts == [
+        "42",
+        '{"key":"abc","value":"ABC"}',
+        '"no entry for missing"',  # handle_tool_error=True: LangChain returns the text
+        "tool `multiply` failed: ValidationError: 1 validation error for multiply",
+    ]
