@@ -20,7 +20,17 @@ from codemode.model.handler import (
     CustomToolInput,
     FunctionToolArguments,
 )
-from codemode.model.registry import Tool, ToolContext, ToolRegistry, flat_tool_name, tool
+from codemode.model.registry import (
+    BeforeCall,
+    Deny,
+    NestedCall,
+    Rewrite,
+    Tool,
+    ToolContext,
+    ToolRegistry,
+    flat_tool_name,
+    tool,
+)
 from codemode.model.render import (
     RenderedOutput,
     estimate_tokens,
@@ -40,14 +50,18 @@ __all__ = [
     "EXEC_CODE_ARGUMENT",
     "EXEC_GRAMMAR",
     "AnthropicMessages",
+    "BeforeCall",
     "ChatCompletions",
     "ChatReply",
     "CodeMode",
     "CodeModeToolHandler",
     "CustomToolInput",
+    "Deny",
     "FunctionToolArguments",
     "NamespaceDescription",
+    "NestedCall",
     "RenderedOutput",
+    "Rewrite",
     "Tool",
     "ToolContext",
     "ToolRegistry",

@@ -36,7 +36,11 @@ from codemode.protocol.types import (
 from codemode.session import CancellationToken, CodeModeSessionDelegate
 
 __all__ = [
+    "BeforeCall",
+    "Deny",
+    "NestedCall",
     "NotifyCallback",
+    "Rewrite",
     "Tool",
     "ToolContext",
     "ToolRegistry",
@@ -76,6 +80,37 @@ class ToolContext:
     cell_id: CellId
     runtime_tool_call_id: str
     cancellation: CancellationToken
+
+
+@dataclass(frozen=True, slots=True)
+class NestedCall:
+    """A nested call about to run, as the ``before_call`` hook of :class:`ToolRegistry` sees it:
+    the tool, the arguments the cell passed (after the input rules) and the call's context."""
+
+    tool: Tool[..., Any]
+    arguments: JSON
+    context: ToolContext
+
+
+@dataclass(frozen=True, slots=True)
+class Deny:
+    """``before_call``'s refusal: the call does not run, the cell's ``await`` rejects with
+    exactly ``message``."""
+
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Rewrite:
+    """``before_call``'s edit: the call runs with these arguments instead (the same input rules
+    apply: an object for a function tool, a string for a freeform one)."""
+
+    arguments: JSON
+
+
+#: Runs before each nested call: ``None`` lets it run as is; may be a coroutine function (an
+#: approval may take long: the call's cancellation still applies, its timeout does not).
+BeforeCall = Callable[[NestedCall], Deny | Rewrite | Awaitable[Deny | Rewrite | None] | None]
 
 
 def _field_type(annotation: object) -> object:
@@ -495,23 +530,38 @@ class ToolRegistry(CodeModeSessionDelegate):
     Every registered tool is enabled for every cell; a call for anything else is rejected. Sync
     tools run in worker threads; a cancelled call cancels an async tool's task (a sync tool's
     thread cannot be interrupted, so its result is simply dropped).
+
+    ``before_call`` runs before every nested call and may let it run, :class:`Deny` it with a
+    text the cell sees, or :class:`Rewrite` its arguments. ``timeout`` (seconds) bounds every
+    call that has no timeout of its own (:meth:`add`, :meth:`tool`): past it the call's task is
+    cancelled and the cell's ``await`` rejects with ``tool `NAME` timed out after N s``.
     """
 
     def __init__(
-        self, tools: Iterable[Tool[..., Any]] = (), *, on_notify: NotifyCallback | None = None
+        self,
+        tools: Iterable[Tool[..., Any]] = (),
+        *,
+        on_notify: NotifyCallback | None = None,
+        before_call: BeforeCall | None = None,
+        timeout: float | None = None,
     ) -> None:
         self._tools: dict[ToolName, Tool[..., Any]] = {}
+        self._timeouts: dict[ToolName, float | None] = {}
         self._namespaces: dict[str, NamespaceDescription] = {}
         self._on_notify = on_notify
+        self._before_call = before_call
+        self._timeout = _checked_timeout(timeout)
         for item in tools:
             self.add(item)
 
-    def add(self, item: Tool[P, R]) -> Tool[P, R]:
-        """Register ``item``; its tool name must be new."""
+    def add(self, item: Tool[P, R], *, timeout: float | None = None) -> Tool[P, R]:
+        """Register ``item``; its tool name must be new. ``timeout``: its own bound in seconds
+        (else the registry's)."""
         key = item.definition.tool_name
         if key in self._tools:
             raise ValueError(f"tool `{item.definition.name}` is already registered")
         self._tools[key] = item
+        self._timeouts[key] = _checked_timeout(timeout) or self._timeout
         return item
 
     @overload
@@ -527,6 +577,7 @@ class ToolRegistry(CodeModeSessionDelegate):
         description: str | None = None,
         output_schema: object = None,
         freeform: bool = False,
+        timeout: float | None = None,
     ) -> Callable[[Callable[P, R]], Tool[P, R]]: ...
 
     def tool(
@@ -539,8 +590,9 @@ class ToolRegistry(CodeModeSessionDelegate):
         description: str | None = None,
         output_schema: object = None,
         freeform: bool = False,
+        timeout: float | None = None,
     ) -> Tool[P, R] | Callable[[Callable[P, R]], Tool[P, R]]:
-        """Like :func:`tool`, and register the result here."""
+        """Like :func:`tool`, and register the result here (``timeout`` as for :meth:`add`)."""
 
         def decorate(function: Callable[P, R]) -> Tool[P, R]:
             return self.add(
@@ -551,7 +603,8 @@ class ToolRegistry(CodeModeSessionDelegate):
                     description=description,
                     output_schema=output_schema,
                     freeform=freeform,
-                )
+                ),
+                timeout=timeout,
             )
 
         return decorate if function is None else decorate(function)
@@ -607,7 +660,7 @@ class ToolRegistry(CodeModeSessionDelegate):
         )
         if not tools_logger.isEnabledFor(logging.DEBUG):
             return await _cancellable(
-                item.invoke(arguments, context),
+                self._call(item, arguments, context),
                 cancellation,
                 f"tool `{item.definition.name}` was cancelled",
             )
@@ -615,7 +668,7 @@ class ToolRegistry(CodeModeSessionDelegate):
         outcome = "failed"
         try:
             result = await _cancellable(
-                item.invoke(arguments, context),
+                self._call(item, arguments, context),
                 cancellation,
                 f"tool `{item.definition.name}` was cancelled",
             )
@@ -630,6 +683,42 @@ class ToolRegistry(CodeModeSessionDelegate):
                 time.monotonic() - began,
                 "cancelled" if cancellation.is_cancelled() else outcome,
             )
+
+    async def _call(self, item: Tool[..., Any], arguments: JSON, context: ToolContext) -> JSON:
+        """The hook, then the tool within its timeout."""
+        name = item.definition.name
+        if self._before_call is not None:
+            decision = self._before_call(NestedCall(item, arguments, context))
+            if inspect.isawaitable(decision):
+                decision = await decision
+            if isinstance(decision, Deny):
+                tools_logger.info("event=tool-call-denied tool=%s cell=%s", name, context.cell_id)
+                raise CodeModeError(decision.message)
+            if isinstance(decision, Rewrite):
+                arguments = self._rewritten(item, decision.arguments)
+            elif decision is not None:
+                raise TypeError(
+                    f"before_call returned {decision!r}: expected Deny, Rewrite or None"
+                )
+        timeout = self._timeouts.get(item.definition.tool_name)
+        if timeout is None:
+            return await item.invoke(arguments, context)
+        try:
+            async with asyncio.timeout(timeout):
+                return await item.invoke(arguments, context)
+        except TimeoutError:
+            # item.invoke turns the tool's own exceptions into CodeModeError: this is ours.
+            raise CodeModeError(f"tool `{name}` timed out after {timeout:g} s") from None
+
+    @staticmethod
+    def _rewritten(item: Tool[..., Any], arguments: JSON) -> JSON:
+        freeform = item.definition.kind is CodeModeToolKind.FREEFORM
+        if freeform != isinstance(arguments, str) or not (freeform or isinstance(arguments, dict)):
+            shape = "a string" if freeform else "an object"
+            raise TypeError(
+                f"before_call rewrote `{item.definition.name}`: arguments must be {shape}"
+            )
+        return arguments
 
     async def notify(
         self, call_id: str, cell_id: CellId, text: str, cancellation: CancellationToken
@@ -648,6 +737,12 @@ class ToolRegistry(CodeModeSessionDelegate):
 
     def cell_closed(self, cell_id: CellId) -> None:
         """No per-cell state is kept; override to release your own."""
+
+
+def _checked_timeout(timeout: float | None) -> float | None:
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"a tool timeout must be a positive number of seconds, not {timeout!r}")
+    return timeout
 
 
 async def _cancellable(

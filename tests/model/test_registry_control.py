@@ -1,0 +1,136 @@
+"""``ToolRegistry(before_call=..., timeout=...)``: approve, deny or rewrite a nested call; bound it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from codemode.model import CodeMode, Deny, NestedCall, Rewrite, ToolRegistry
+from tests.tools.cells import run_cell
+
+
+async def test_before_call_denies_rewrites_or_lets_run() -> None:
+    seen: list[tuple[str, object]] = []
+
+    async def before_call(call: NestedCall) -> Deny | Rewrite | None:
+        seen.append((call.tool.definition.name, call.arguments))
+        assert call.context.runtime_tool_call_id.startswith("tool-")
+        if call.tool.definition.name == "delete":
+            return Deny("deleting needs a human: ask the user first")
+        if call.arguments == {"city": "Paris"}:
+            return Rewrite({"city": "Lyon"})
+        return None
+
+    registry = ToolRegistry(before_call=before_call)
+    deleted: list[str] = []
+
+    @registry.tool
+    def delete(path: str) -> None:
+        deleted.append(path)
+
+    @registry.tool
+    async def weather(city: str) -> str:
+        return f"sunny in {city}"
+
+    async with CodeMode(registry) as code_mode:
+        run = await run_cell(
+            code_mode,
+            "try { await tools.delete({path: '/'}) } catch (e) { text(String(e)) }\n"
+            "text(await tools.weather({city: 'Paris'}));\n"
+            "text(await tools.weather({city: 'Oslo'}));",
+        )
+    assert run.success, run.texts
+    assert run.texts == [
+        "deleting needs a human: ask the user first",
+        "sunny in Lyon",
+        "sunny in Oslo",
+    ]
+    assert deleted == []
+    assert seen == [
+        ("delete", {"path": "/"}),
+        ("weather", {"city": "Paris"}),
+        ("weather", {"city": "Oslo"}),
+    ]
+
+
+async def test_a_rewrite_must_keep_the_argument_shape() -> None:
+    registry = ToolRegistry(before_call=lambda call: Rewrite("not an object"))
+
+    @registry.tool
+    def echo(value: int) -> int:
+        return value
+
+    async with CodeMode(registry) as code_mode:
+        run = await run_cell(
+            code_mode, "try { await tools.echo({value: 1}) } catch (e) { text(String(e)) }"
+        )
+    # A broken hook is the delegate's failure (the text every carrier gives one).
+    assert run.texts == [
+        "code-mode delegate task failed: before_call rewrote `echo`: arguments must be an object"
+    ]
+
+
+async def test_a_timed_out_async_tool_is_cancelled() -> None:
+    registry = ToolRegistry()
+    cancelled = asyncio.Event()
+
+    @registry.tool(timeout=0.2)
+    async def slow() -> str:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return "never"
+
+    @registry.tool
+    async def quick() -> str:
+        return "quick"
+
+    async with CodeMode(registry) as code_mode:
+        began = time.monotonic()
+        run = await run_cell(
+            code_mode,
+            "try { await tools.slow({}) } catch (e) { text(String(e)) }\n"
+            "text(await tools.quick({}));",
+        )
+    assert run.texts == ["tool `slow` timed out after 0.2 s", "quick"]
+    assert time.monotonic() - began < 10
+    assert cancelled.is_set()
+
+
+async def test_the_registry_timeout_bounds_every_tool_without_its_own() -> None:
+    release = threading.Event()
+    registry = ToolRegistry(timeout=0.2)
+
+    @registry.tool
+    def blocking() -> str:  # a sync tool: its thread cannot be interrupted, its result is dropped
+        release.wait(10)
+        return "late"
+
+    @registry.tool(timeout=5)
+    async def patient() -> str:
+        await asyncio.sleep(0.4)
+        return "patient"
+
+    try:
+        async with CodeMode(registry) as code_mode:
+            run = await run_cell(
+                code_mode,
+                "try { await tools.blocking({}) } catch (e) { text(String(e)) }\n"
+                "text(await tools.patient({}));",
+            )
+    finally:
+        release.set()
+    assert run.texts == ["tool `blocking` timed out after 0.2 s", "patient"]
+
+
+def test_timeouts_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        ToolRegistry(timeout=0)
+    registry = ToolRegistry()
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        registry.tool(timeout=-1)(lambda: None)
