@@ -205,7 +205,10 @@ class CodeMode:
                 if session is None:
                     session = await self._open_session()
                 self._handler = CodeModeToolHandler(
-                    session, self.registry.definitions, clock=self._clock
+                    session,
+                    self.registry.definitions,
+                    clock=self._clock,
+                    cell_spans=self.registry.cell_spans,
                 )
             return self._handler
 
@@ -238,6 +241,9 @@ class CodeMode:
                     await handler.session.terminate(cell_id)
         elif handler is not None:
             await handler.session.shutdown()
+        if handler is not None:
+            for cell_id in handler.live_cells:
+                self.registry.cell_spans.finish(cell_id, "terminated")
         if self._owned_provider is not None:
             await self._owned_provider.aclose()
 

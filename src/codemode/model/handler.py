@@ -17,6 +17,7 @@ from codemode.errors import CodeModeError
 from codemode.model.exec_tool import parse_wait_arguments
 from codemode.model.positions import in_source_lines, outcome_in_source_lines
 from codemode.model.render import RenderedOutput, render_outcome, render_response
+from codemode.model.tracing import CellSpans, outcome_of
 from codemode.protocol.pragma import parse_exec_source
 from codemode.protocol.types import (
     CellId,
@@ -74,8 +75,10 @@ class CodeModeToolHandler:
         enabled_tools: Sequence[ToolDefinition] | Callable[[], Sequence[ToolDefinition]] = (),
         *,
         clock: Callable[[], float] = time.monotonic,
+        cell_spans: CellSpans | None = None,
     ) -> None:
         self._session = session
+        self._spans = cell_spans or CellSpans()
         self._enabled_tools = enabled_tools
         self._clock = clock
         # Cells started here that yielded and have not ended -> the exec call id that started them.
@@ -115,6 +118,8 @@ class CodeModeToolHandler:
         if isinstance(payload, FunctionToolArguments):
             return _failure(EXEC_EXPECTS_FREEFORM)
         source = payload.input if isinstance(payload, CustomToolInput) else payload
+        span = self._spans.start_cell(call_id)
+        cell_id: CellId | None = None
         try:
             parsed = parse_exec_source(source)
             request = ExecuteRequest(
@@ -125,9 +130,17 @@ class CodeModeToolHandler:
                 max_output_tokens=parsed.max_output_tokens,
             )
             cell = await self._session.execute(request)
+            cell_id = cell.cell_id
+            self._spans.bind(cell_id, span)
             response = await cell.initial_response()
         except CodeModeError as error:
+            self._spans.fail(span, error.message, cell_id)
             return _failure(error.message)
+        except BaseException:
+            self._spans.fail(span, "cancelled", cell_id)
+            raise
+        if not isinstance(response, Yielded):
+            self._spans.finish(response.cell_id, outcome_of(response))
         self._track_initial(call_id, response, parsed.removed_lines)
         response = in_source_lines(response, parsed.removed_lines)
         return render_response(response, self._clock() - started, parsed.max_output_tokens)
@@ -141,13 +154,18 @@ class CodeModeToolHandler:
         try:
             parsed = parse_wait_arguments(arguments)
             cell_id = CellId(parsed.cell_id)
-            if parsed.terminate:
-                outcome = await self._session.terminate(cell_id)
-            else:
-                request = WaitRequest(cell_id, parsed.effective_yield_time_ms)
-                outcome = await self._session.wait(request)
+            with self._spans.wait(cell_id.value):
+                if parsed.terminate:
+                    outcome = await self._session.terminate(cell_id)
+                else:
+                    request = WaitRequest(cell_id, parsed.effective_yield_time_ms)
+                    outcome = await self._session.wait(request)
         except CodeModeError as error:
             return _failure(error.message)
+        if isinstance(outcome, MissingCell):
+            self._spans.finish(cell_id, "missing")
+        elif not isinstance(outcome.response, Yielded):
+            self._spans.finish(cell_id, outcome_of(outcome.response))
         outcome = outcome_in_source_lines(outcome, self._removed.get(cell_id, 0))
         self._track_outcome(cell_id, outcome)
         return render_outcome(outcome, self._clock() - started, parsed.effective_max_tokens)

@@ -22,8 +22,9 @@ from typing import Any, Final, Generic, ParamSpec, TypeVar, overload
 import msgspec
 
 from codemode.errors import CodeModeError
-from codemode.model import pydantic_types
+from codemode.model import pydantic_types, tracing
 from codemode.model.exec_tool import NamespaceDescription
+from codemode.model.tracing import CellSpans
 from codemode.protocol.constants import PUBLIC_TOOL_NAME, WAIT_TOOL_NAME
 from codemode.protocol.types import (
     JSON,
@@ -551,6 +552,8 @@ class ToolRegistry(CodeModeSessionDelegate):
         self._on_notify = on_notify
         self._before_call = before_call
         self._timeout = _checked_timeout(timeout)
+        #: The spans of the cells whose calls this registry serves (``codemode.model.tracing``).
+        self.cell_spans = CellSpans()
         for item in tools:
             self.add(item)
 
@@ -658,6 +661,19 @@ class ToolRegistry(CodeModeSessionDelegate):
             runtime_tool_call_id=invocation.runtime_tool_call_id,
             cancellation=cancellation,
         )
+        if tracing.enabled():
+            with self.cell_spans.tool_call(invocation.cell_id, item.definition.name):
+                return await self._logged(item, arguments, context, invocation)
+        return await self._logged(item, arguments, context, invocation)
+
+    async def _logged(
+        self,
+        item: Tool[..., Any],
+        arguments: JSON,
+        context: ToolContext,
+        invocation: CodeModeNestedToolCall,
+    ) -> JSON:
+        cancellation = context.cancellation
         if not tools_logger.isEnabledFor(logging.DEBUG):
             return await _cancellable(
                 self._call(item, arguments, context),
@@ -736,7 +752,8 @@ class ToolRegistry(CodeModeSessionDelegate):
         await _cancellable(deliver(), cancellation, "notification was cancelled")
 
     def cell_closed(self, cell_id: CellId) -> None:
-        """No per-cell state is kept; override to release your own."""
+        """Ends the cell's span if still open; override (calling this) to release your own."""
+        self.cell_spans.closed(cell_id)
 
 
 def _checked_timeout(timeout: float | None) -> float | None:

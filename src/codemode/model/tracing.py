@@ -1,0 +1,142 @@
+"""OpenTelemetry spans for cells and their nested calls (``pip install 'codemode[otel]'``).
+
+With ``opentelemetry-api`` installed, the tracer ``codemode`` records:
+
+* ``codemode.cell``: one span per ``exec``, a child of the span that was current where the exec
+  was handled; it lasts until the cell ends (its first terminal outcome reaches the handler, or
+  the cell is closed), with the attributes ``codemode.tool_call_id``, ``codemode.cell_id`` and
+  ``codemode.outcome`` (``completed``, ``failed``, ``terminated``, ``missing``, ``closed``, or
+  ``error`` when the exec itself failed);
+* ``codemode.tool_call``: one span per nested call, a child of its cell's span (``codemode.tool``,
+  ``codemode.cell_id``; an error status and the exception when the call fails);
+* ``codemode.wait``: one span per ``wait`` call.
+
+Without the package nothing is imported or recorded; with the API but no SDK configured, the
+API's own no-op tracer is used. Spans are keyed by cell id within one :class:`CellSpans`, shared
+by the handler that starts cells and the registry that serves their calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Final
+
+from codemode.protocol.types import CellId, MissingCell, Result, RuntimeResponse, Terminated
+
+__all__ = ["CellSpans", "enabled"]
+
+#: How long after its closure a cell's span waits for the cell's outcome.
+CLOSE_GRACE: Final = 1.0
+
+_tracer: Any = None
+_loaded = False
+
+
+def _get_tracer() -> Any:
+    global _tracer, _loaded
+    if not _loaded:
+        _loaded = True
+        try:
+            from opentelemetry import trace
+        except ImportError:
+            return None
+        _tracer = trace.get_tracer("codemode")
+    return _tracer
+
+
+def enabled() -> bool:
+    """Whether spans are recorded (``opentelemetry-api`` is importable)."""
+    return _get_tracer() is not None
+
+
+def outcome_of(response: RuntimeResponse | MissingCell) -> str:
+    """The ``codemode.outcome`` of a terminal outcome."""
+    if isinstance(response, MissingCell):
+        return "missing"
+    if isinstance(response, Terminated):
+        return "terminated"
+    if isinstance(response, Result):
+        return "failed" if response.error_text is not None else "completed"
+    return "yielded"
+
+
+class CellSpans:
+    """The open ``codemode.cell`` spans, by cell id."""
+
+    def __init__(self) -> None:
+        self._open: dict[CellId, Any] = {}
+
+    def start_cell(self, call_id: str) -> Any:
+        """A new cell span (a child of the current span), or ``None`` when not tracing."""
+        tracer = _get_tracer()
+        if tracer is None:
+            return None
+        return tracer.start_span("codemode.cell", attributes={"codemode.tool_call_id": call_id})
+
+    def bind(self, cell_id: CellId, span: Any) -> None:
+        """``span`` is ``cell_id``'s: its nested calls become its children."""
+        if span is not None:
+            span.set_attribute("codemode.cell_id", cell_id.value)
+            self._open[cell_id] = span
+
+    def fail(self, span: Any, message: str, cell_id: CellId | None = None) -> None:
+        """End a span whose exec failed before or while its cell ran."""
+        if cell_id is not None and self._open.get(cell_id) is span:
+            del self._open[cell_id]
+        if span is not None:
+            from opentelemetry.trace import Status, StatusCode
+
+            span.set_attribute("codemode.outcome", "error")
+            span.set_status(Status(StatusCode.ERROR, message))
+            span.end()
+
+    def closed(self, cell_id: CellId) -> None:
+        """The cell is gone. Its outcome usually reaches the handler just after (the closure
+        follows the delivery): the span ends with ``closed`` only if it has not by then."""
+        if cell_id in self._open:
+            with contextlib.suppress(RuntimeError):  # no running loop: leave it to the handler
+                asyncio.get_running_loop().call_later(
+                    CLOSE_GRACE, self._finish_span, cell_id, self._open[cell_id], "closed"
+                )
+
+    def _finish_span(self, cell_id: CellId, span: Any, outcome: str) -> None:
+        if self._open.get(cell_id) is span:
+            self.finish(cell_id, outcome)
+
+    def finish(self, cell_id: CellId, outcome: str) -> None:
+        """End ``cell_id``'s span (if open) with ``outcome``."""
+        span = self._open.pop(cell_id, None)
+        if span is not None:
+            span.set_attribute("codemode.outcome", outcome)
+            span.end()
+
+    @contextlib.contextmanager
+    def tool_call(self, cell_id: CellId, tool: str) -> Iterator[None]:
+        """A ``codemode.tool_call`` span around one nested call of ``cell_id``."""
+        tracer = _get_tracer()
+        if tracer is None:
+            yield
+            return
+        from opentelemetry import trace
+
+        parent = self._open.get(cell_id)
+        context = None if parent is None else trace.set_span_in_context(parent)
+        attributes = {"codemode.tool": tool, "codemode.cell_id": cell_id.value}
+        with tracer.start_as_current_span(
+            "codemode.tool_call", context=context, attributes=attributes
+        ):
+            yield
+
+    @contextlib.contextmanager
+    def wait(self, cell_id: str) -> Iterator[None]:
+        """A ``codemode.wait`` span (a child of the current span)."""
+        tracer = _get_tracer()
+        if tracer is None:
+            yield
+            return
+        with tracer.start_as_current_span(
+            "codemode.wait", attributes={"codemode.cell_id": cell_id}
+        ):
+            yield
