@@ -14,17 +14,8 @@ import pytest
 from codemode.model.toolfile import load_tool_file
 from codemode.model.typescript import render_tool_declaration
 from codemode.protocol.v1.messages import OperationCancel
+from tests.commands import codemode
 from tests.wire import frame, hello, payloads
-
-
-def codemode(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run(
-        [sys.executable, "-m", "codemode", *args],
-        input=stdin,
-        capture_output=True,
-        timeout=60,
-        check=False,
-    )
 
 
 def test_wire_validate_prints_the_canonical_encoding() -> None:

@@ -4,25 +4,15 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from codemode.cli import codex
 from codemode.cli.codex_host import host_arguments
+from tests.commands import codemode
 
 ELF = b"\x7fELF fake codex"
-
-
-def _codemode(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "codemode", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
 
 
 @pytest.fixture
@@ -36,17 +26,17 @@ def native(tmp_path: Path) -> Path:
 
 def test_link_builds_a_layout_and_unlink_removes_exactly_it(tmp_path: Path, native: Path) -> None:
     layout = tmp_path / "layout"
-    done = _codemode("codex", "link", str(layout), "--codex", str(native))
+    done = codemode("codex", "link", str(layout), "--codex", str(native))
     assert done.returncode == 0, done.stderr
-    assert f"{layout / 'codex'} (hard link of {native})" in done.stdout
+    assert f"{layout / 'codex'} (hard link of {native})" in done.stdout.decode()
     assert (layout / "codex").read_bytes() == ELF
     assert os.stat(layout / "codex").st_ino == os.stat(native).st_ino
     host = layout / "codex-code-mode-host"
     assert os.access(host, os.X_OK)
     assert "-m codemode.cli.codex_host" in host.read_text()
     # Linking again rebuilds the layout; unlink removes it and leaves the original alone.
-    assert _codemode("codex", "link", str(layout), "--codex", str(native)).returncode == 0
-    done = _codemode("codex", "unlink", str(layout))
+    assert codemode("codex", "link", str(layout), "--codex", str(native)).returncode == 0
+    done = codemode("codex", "unlink", str(layout))
     assert done.returncode == 0, done.stderr
     assert not layout.exists()
     assert native.read_bytes() == ELF
@@ -72,12 +62,12 @@ def test_link_refuses_a_directory_it_did_not_make(tmp_path: Path, native: Path) 
     occupied = tmp_path / "occupied"
     occupied.mkdir()
     (occupied / "mine.txt").write_text("keep")
-    done = _codemode("codex", "link", str(occupied), "--codex", str(native))
+    done = codemode("codex", "link", str(occupied), "--codex", str(native))
     assert done.returncode == 1
-    assert "exists and is not empty" in done.stderr
-    done = _codemode("codex", "unlink", str(occupied))
+    assert b"exists and is not empty" in done.stderr
+    done = codemode("codex", "unlink", str(occupied))
     assert done.returncode == 1
-    assert "is not a layout made by `codemode codex link`" in done.stderr
+    assert b"is not a layout made by `codemode codex link`" in done.stderr
     assert (occupied / "mine.txt").read_text() == "keep"
 
 

@@ -4,24 +4,15 @@ from __future__ import annotations
 
 import json
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.commands import codemode
+
 SERVER = Path(__file__).with_name("mcp_server.py")
 SERVER_COMMAND = shlex.join([sys.executable, str(SERVER)])
-
-
-def codemode(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run(
-        [sys.executable, "-m", "codemode", *args],
-        input=stdin,
-        capture_output=True,
-        timeout=60,
-        check=False,
-    )
 
 
 @pytest.mark.timeout(90)

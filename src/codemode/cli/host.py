@@ -153,15 +153,24 @@ def _host_command(args: argparse.Namespace) -> int:
         return 130
 
 
-def _host_grpc_command(args: argparse.Namespace, listen: str) -> int:
+def _grpc_installed() -> bool:
+    """Whether the `grpc` extra is installed (else say how to install it)."""
     try:
-        from codemode.host.grpc import GrpcAddress, GrpcTls
+        import codemode.host.grpc  # noqa: F401
     except ImportError:
         print(
             "codemode host: gRPC needs the `grpc` extra: pip install 'codemode[grpc]'",
             file=sys.stderr,
         )
+        return False
+    return True
+
+
+def _host_grpc_command(args: argparse.Namespace, listen: str) -> int:
+    if not _grpc_installed():
         return 2
+    from codemode.host.grpc import GrpcAddress, GrpcTls
+
     try:
         address = GrpcAddress.parse(listen)
         token = _host_token(args)
@@ -214,68 +223,54 @@ def _host_grpc_stdio_command(args: argparse.Namespace, listen: str) -> int:
             file=sys.stderr,
         )
         return 2
-    try:
-        import codemode.host.grpc_stdio  # noqa: F401  (the `grpc` extra is installed)
-    except ImportError:
-        print(
-            "codemode host: gRPC needs the `grpc` extra: pip install 'codemode[grpc]'",
-            file=sys.stderr,
-        )
+    if not _grpc_installed():
         return 2
-    return asyncio.run(_host_grpc_stdio(args))
+    return asyncio.run(_host_grpc(args, listen))
 
 
-async def _host_grpc_stdio(args: argparse.Namespace) -> int:
+async def _host_grpc(
+    args: argparse.Namespace,
+    listen: str,
+    token: str | None = None,
+    tls: GrpcTls | None = None,
+) -> int:
+    """Serve gRPC on ``listen`` (``grpc://…`` or ``grpc+stdio://``) until SIGTERM/SIGINT (or,
+    over stdio, the end of stdin)."""
+    from codemode.host.grpc import serve_grpc
     from codemode.host.grpc_stdio import serve_grpc_stdio
 
     provider = local_provider(args, store_load=not args.no_store_load)
     logging.getLogger("codemode.host").info("%s", confinement.probe().describe())
-    warming = asyncio.ensure_future(provider.warm())  # an engine starts while HTTP/2 connects
+    warming = asyncio.ensure_future(provider.warm())  # an engine starts while clients connect
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     options = _grpc_options(args)
     try:
-        await serve_grpc_stdio(
-            provider, options=options, stop=stop, shutdown_grace=args.shutdown_grace
-        )
+        if listen.startswith("grpc+stdio:"):
+            await serve_grpc_stdio(
+                provider, options=options, stop=stop, shutdown_grace=args.shutdown_grace
+            )
+        else:
+            await serve_grpc(
+                provider,
+                listen,
+                stop=stop,
+                options=options,
+                shutdown_grace=args.shutdown_grace,
+                ready=lambda url: print(url, flush=True),
+                token=token,
+                tls=tls,
+            )
+    except OSError as error:
+        print(f"codemode host: cannot listen on {listen}: {error}", file=sys.stderr)
+        return 1
     finally:
         if not warming.done():
             warming.cancel()
         with contextlib.suppress(BaseException):
             await warming
-        await provider.aclose()
-    return 0
-
-
-async def _host_grpc(
-    args: argparse.Namespace, listen: str, token: str | None, tls: GrpcTls | None
-) -> int:
-    from codemode.host.grpc import serve_grpc
-
-    provider = local_provider(args, store_load=not args.no_store_load)
-    logging.getLogger("codemode.host").info("%s", confinement.probe().describe())
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    options = _grpc_options(args)
-    try:
-        await serve_grpc(
-            provider,
-            listen,
-            stop=stop,
-            options=options,
-            shutdown_grace=args.shutdown_grace,
-            ready=lambda url: print(url, flush=True),
-            token=token,
-            tls=tls,
-        )
-    except OSError as error:
-        print(f"codemode host: cannot listen on {listen}: {error}", file=sys.stderr)
-        return 1
-    finally:
         await provider.aclose()
     return 0
 
