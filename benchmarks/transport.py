@@ -29,6 +29,11 @@ at most 1.5x the raw echo's round trip on top of the embedded round trip, and 1,
 nested calls amortise to <= 30 us each over stdio. Last, with everything else closed, the raw echo
 runs with both ends blocking and pinned to one CPU, then to two: what a wake-up costs here.
 
+The third table is a load: 128 cells started at once on one session (over stdio: one connection,
+the host's default cap of active cells), each awaiting 50 echoes one by one, on the stdio session
+and on the embedded session: calls per second, and the sequential call's latency under that load
+(p50 / p99 of the intervals between successive calls of one cell).
+
 The second table sets the gRPC session beside stdio, embedded and the raw echoes for the same
 nested-call and execute figures, and adds large-result throughput: a cell awaits ``tools.big``,
 which returns a string of 8 or 32 MiB (timed in the cell), against the one-way rate of the same
@@ -95,6 +100,10 @@ STEP_TIMEOUT: Final = 60.0  # no single step may take longer: a hang fails loudl
 
 SIZES_MIB: Final = (8, 32)  # large tool results
 BIG_SAMPLES: Final = 5  # per size and session kind (and echo), interleaved
+LOAD_CELLS: Final = 128  # cells at once on one session (the host's default max active cells)
+LOAD_CALLS: Final = 50  # sequential echoes per cell
+LOAD_RUNS: Final = 3  # per session kind, alternating
+LOAD_YIELD_MS: Final = 600_000  # a loaded cell must complete, not yield
 MIB: Final = 1024 * 1024
 
 GOAL_OVERHEAD_VS_ECHO: Final = 1.5
@@ -145,6 +154,8 @@ from codemode.transports import stdio_transport
 
 async def main() -> None:
     transport = await stdio_transport()
+    if getattr(transport, "pushes", False):  # as the host reads: answered as read
+        transport.push_to(lambda data, lane: transport.send(data))
     while (item := await transport.receive()) is not None:
         transport.send(item[0])  # the bytes as read: whole frames go back unchanged
 
@@ -217,12 +228,18 @@ class EchoDelegate(CodeModeSessionDelegate):
     def __init__(self) -> None:
         self.arrivals: list[float] = []
         self.last: CodeModeNestedToolCall | None = None
+        #: Arrivals per cell, while a load runs (``None`` otherwise).
+        self.by_cell: dict[str, list[float]] | None = None
 
     async def invoke_tool(
         self, invocation: CodeModeNestedToolCall, cancellation: CancellationToken
     ) -> JSON:
         """Note the arrival time and return the input unchanged."""
-        self.arrivals.append(time.perf_counter())
+        now = time.perf_counter()
+        if self.by_cell is not None:
+            self.by_cell.setdefault(str(invocation.cell_id), []).append(now)
+        else:
+            self.arrivals.append(now)
         self.last = invocation
         return invocation.input
 
@@ -282,6 +299,31 @@ class Served:
         elapsed = time.perf_counter() - start
         assert only_text(response) == "hi"
         return elapsed
+
+    async def load(self, cells: int, calls: int) -> tuple[float, list[float]]:
+        """``cells`` cells at once, each awaiting ``calls`` echoes one by one: calls per second
+        (all calls / wall time) and every interval between successive calls of one cell (s)."""
+        source = loop_source("seq", "tools.echo", calls, 1, 0)
+        self.delegate.by_cell = {}
+        try:
+            start = time.perf_counter()
+            started = [
+                await bounded(
+                    self.session.execute(
+                        ExecuteRequest("load", source, [ECHO_TOOL], yield_time_ms=LOAD_YIELD_MS)
+                    )
+                )
+                for _ in range(cells)
+            ]
+            for cell in started:
+                only_text(await bounded(cell.initial_response()))
+            elapsed = time.perf_counter() - start
+            arrivals = self.delegate.by_cell
+        finally:
+            self.delegate.by_cell = None
+        assert sum(map(len, arrivals.values())) == cells * calls
+        gaps = [b - a for times in arrivals.values() for a, b in itertools.pairwise(times)]
+        return cells * calls / elapsed, gaps
 
     async def big_result(self, mib: int) -> float:
         """Seconds for a ``mib`` MiB tool result to reach the cell (timed in the cell)."""
@@ -712,6 +754,44 @@ async def measure(
     return Figures(seq, par, execute, big)
 
 
+async def measure_load(sessions: list[Served]) -> dict[str, list[tuple[float, list[float]]]]:
+    """``LOAD_CELLS`` x ``LOAD_CALLS`` on each session, ``LOAD_RUNS`` times, alternating."""
+    progress(f"load: {LOAD_CELLS} cells x {LOAD_CALLS} sequential calls at once, {LOAD_RUNS} runs")
+    pids = [pid for served in sessions for pid in served.pids]
+    for served in sessions:  # warm up: the engines make their isolates
+        await served.load(LOAD_CELLS // 4, 5)
+    runs: dict[str, list[tuple[float, list[float]]]] = {served.name: [] for served in sessions}
+    for _ in range(LOAD_RUNS):
+        for served in sessions:
+            await quiesce(pids)
+            runs[served.name].append(await served.load(LOAD_CELLS, LOAD_CALLS))
+    return runs
+
+
+def load_table(
+    runs: dict[str, list[tuple[float, list[float]]]],
+) -> tuple[tuple[str, ...], list[tuple[str, ...]], list[str]]:
+    """The load table: calls per second and sequential latency under load, per session kind."""
+    head = ("session", "calls/s (median, min-max)", "sequential call under load, p50 / p99, ms")
+    body: list[tuple[str, ...]] = []
+    for name, results in runs.items():
+        rates = [rate for rate, _ in results]
+        gaps = [gap for _, run_gaps in results for gap in run_gaps]
+        body.append(
+            (
+                name,
+                f"{statistics.median(rates):,.0f} ({min(rates):,.0f}-{max(rates):,.0f})",
+                f"{percentile(gaps, 50) * 1e3:.2f} / {percentile(gaps, 99) * 1e3:.2f}",
+            )
+        )
+    footer = [
+        f"Load: {LOAD_CELLS} cells started at once on one session (stdio: one connection),"
+        f" each awaiting {LOAD_CALLS} echoes one by one; {LOAD_RUNS} runs per session kind,"
+        " alternating. Latency: intervals between successive calls of one cell, all runs."
+    ]
+    return head, body, footer
+
+
 def table(figures: Figures, note: str) -> tuple[list[Row], list[str]]:
     """The rows and the footer (goals with met / NOT met)."""
     seq, par, execute = figures.seq, figures.par, figures.execute
@@ -955,6 +1035,7 @@ async def run() -> None:
         figures = await measure(
             [stdio, embedded, grpc_served], echo, asyncio_echo, bulk_echo, grpc_echo
         )
+        loads = await measure_load([stdio, embedded])
     finally:
         for close in reversed(cleanup):
             await close()
@@ -965,6 +1046,8 @@ async def run() -> None:
     print_table(rows, footer)
     print()
     print_markdown(*grpc_table(figures))
+    print()
+    print_markdown(*load_table(loads))
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ from codemode.protocol import (
     Result,
 )
 from codemode.runtime import LocalSessionProvider, NodeEngine
-from codemode.runtime.engine import MAX_ENGINE_FRAME_BYTES, _HostProtocol
+from codemode.runtime.engine import MAX_ENGINE_FRAME_BYTES, _EngineOutput, _HostProtocol
 from codemode.session import (
     CodeModeSessionDelegate,
 )
@@ -72,13 +73,13 @@ class StubTransport:
         return 0
 
 
-def wired() -> tuple[NodeEngine, _HostProtocol, Events, StubTransport]:
+def wired() -> tuple[NodeEngine, _EngineOutput, Events, StubTransport]:
     engine = NodeEngine()
     transport = StubTransport()
     engine._transport = transport  # type: ignore[assignment]
     events = Events()
     engine._cells[1] = events
-    return engine, _HostProtocol(engine), events, transport
+    return engine, _EngineOutput(engine), events, transport
 
 
 @pytest.mark.parametrize(
@@ -98,7 +99,7 @@ def wired() -> tuple[NodeEngine, _HostProtocol, Events, StubTransport]:
 )
 async def test_a_malformed_frame_ends_the_engine_and_its_cells(body: bytes) -> None:
     engine, protocol, events, transport = wired()
-    protocol.pipe_data_received(1, frame(body))
+    protocol.data_received(frame(body))
     assert transport.killed
     assert events.seen[-1] == ("exited", "crashed")
     assert engine.live_cells == 0
@@ -106,7 +107,7 @@ async def test_a_malformed_frame_ends_the_engine_and_its_cells(body: bytes) -> N
 
 async def test_an_oversize_frame_header_is_refused_before_buffering() -> None:
     _, protocol, events, transport = wired()
-    protocol.pipe_data_received(1, (MAX_ENGINE_FRAME_BYTES + 1).to_bytes(4, "little") + b"[")
+    protocol.data_received((MAX_ENGINE_FRAME_BYTES + 1).to_bytes(4, "little") + b"[")
     assert transport.killed
     assert events.seen == [("exited", "crashed")]
 
@@ -117,7 +118,7 @@ async def test_messages_for_unknown_cells_are_ignored() -> None:
         {"t": "item", "cell": 7, "type": "input_text", "value": "other"},
         {"t": "item", "cell": 1, "type": "input_text", "value": "mine"},
     ]
-    protocol.pipe_data_received(1, frame(json.dumps(batch).encode()))
+    protocol.data_received(frame(json.dumps(batch).encode()))
     assert not transport.killed
     assert events.seen == [("item", InputText("mine"))]
 
@@ -126,8 +127,24 @@ async def test_a_frame_split_anywhere_is_reassembled() -> None:
     _, protocol, events, _ = wired()
     data = frame(b'[{"t":"notify","cell":1,"text":"hello"}]') * 2
     for index in range(len(data)):
-        protocol.pipe_data_received(1, data[index : index + 1])
+        protocol.data_received(data[index : index + 1])
     assert events.seen == [("notify", "hello"), ("notify", "hello")]
+
+
+async def test_what_the_engine_wrote_before_it_exited_is_dispatched_before_its_end() -> None:
+    # The exit can be reported before the loop read the child's last frames (e.g. a cell's
+    # `exited` before a runaway isolate ends the process): they are read first.
+    engine, protocol, events, _ = wired()
+    read_end, write_end = os.pipe()
+    loop = asyncio.get_running_loop()
+    output, _ = await loop.connect_read_pipe(lambda: protocol, os.fdopen(read_end, "rb", 0))
+    engine._output = output
+    engine._reader = protocol
+    os.write(write_end, frame(b'[{"t":"notify","cell":1,"text":"last words"}]'))
+    os.close(write_end)
+    _HostProtocol(engine).process_exited()
+    assert events.seen == [("notify", "last words"), ("exited", "crashed")]
+    assert output.is_closing()
 
 
 async def test_a_forged_call_to_a_tool_the_cell_does_not_have_is_refused() -> None:
@@ -146,16 +163,18 @@ async def test_a_forged_call_to_a_tool_the_cell_does_not_have_is_refused() -> No
         assert engine is not None
         answers: list[tuple[str, bool, Any]] = []
         real = engine.send_result
-        engine.send_result = lambda key, call_id, ok, value: answers.append(  # type: ignore[method-assign]
-            (call_id, ok, value)
-        )
+
+        def record(key: int, call_id: str, ok: bool, value: Any, *, alone: bool = False) -> None:
+            answers.append((call_id, ok, value))
+
+        engine.send_result = record  # type: ignore[method-assign]
         key = next(iter(engine._cells))
         forged = [
             {"t": "call", "cell": key, "id": "x1", "tool": 99, "input": None},
             {"t": "call", "cell": key, "id": "x2", "tool": -1, "input": None},
             {"t": "call", "cell": key, "id": "x3", "tool": 0, "input": "{not json"},
         ]
-        _HostProtocol(engine).pipe_data_received(1, frame(json.dumps(forged).encode()))
+        _EngineOutput(engine).data_received(frame(json.dumps(forged).encode()))
         engine.send_result = real  # type: ignore[method-assign]
         assert answers == [
             ("x1", False, "unknown tool"),

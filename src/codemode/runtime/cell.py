@@ -301,15 +301,18 @@ class Cell:
         self._calls.pop(call_id, None)
         if token.is_cancelled() or self._state is not _State.RUNNING:
             return  # nobody wants it any more
+        # The session's last outstanding callback (this one counts until its task is done, an
+        # eagerly settled one never counted): no other result can share its frame.
+        alone = self._session.pending_calls <= 1
         if isinstance(result, CallbackFailed):
-            self._engine.send_result(self.key, call_id, False, result.message)
+            self._engine.send_result(self.key, call_id, False, result.message, alone=alone)
             return
         try:
             encoded = tool_result_json(getattr(result, "value", None))
         except CodeModeError as error:
-            self._engine.send_result(self.key, call_id, False, error.message)
+            self._engine.send_result(self.key, call_id, False, error.message, alone=alone)
             return
-        self._engine.send_result(self.key, call_id, True, msgspec.Raw(encoded))
+        self._engine.send_result(self.key, call_id, True, msgspec.Raw(encoded), alone=alone)
 
     def on_notify(self, text: str) -> None:
         if self._state is not _State.RUNNING:

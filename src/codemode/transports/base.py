@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 from codemode.errors import CodeModeError
 from codemode.protocol.v1.lanes import Lane
 
-__all__ = ["FrameTransport", "TextMessageReceived", "TransportError", "describe"]
+__all__ = [
+    "FrameTransport",
+    "PushingTransport",
+    "TextMessageReceived",
+    "TransportError",
+    "describe",
+]
 
 
 def describe(error: BaseException) -> str:
@@ -62,4 +69,24 @@ class FrameTransport(Protocol):
 
     async def close(self) -> None:
         """Close both directions; pending :meth:`receive` calls return ``None``."""
+        ...
+
+
+@runtime_checkable
+class PushingTransport(Protocol):
+    """A byte-stream carrier that can hand its reads to a sink in the loop iteration that read
+    them (when :attr:`pushes` is true), instead of returning them from ``receive()``."""
+
+    @property
+    def pushes(self) -> bool:
+        """True when reads go to the sink given to :meth:`push_to`."""
+        ...
+
+    def push_to(self, sink: Callable[[bytes, Lane], None]) -> None:
+        """Hand every later read to ``sink(data, lane)`` as it arrives."""
+        ...
+
+    def pause_reading(self) -> None:
+        """Stop reading (back-pressure) and let the pending ``receive()`` return; the next
+        ``receive()`` resumes reading."""
         ...

@@ -11,8 +11,10 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from codemode.protocol.v1.endpoint import Endpoint
+from codemode.protocol.v1.lanes import Lane
 from codemode.transports.base import (
     FrameTransport,
+    PushingTransport,
     TextMessageReceived,
     TransportError,
     describe,
@@ -36,10 +38,24 @@ class Pump(Generic[E]):
         self.protocol = protocol
         self._apply = apply
         self._flushing = False
+        # A transport that pushes its reads (a pipe of our own) feeds the machine in the loop
+        # iteration that read them; receive() then only reports the end, or a pause.
+        self._pushing = transport if isinstance(transport, PushingTransport) else None
+        if self._pushing is not None and self._pushing.pushes:
+            self._pushing.push_to(self._pushed)
+
+    def _pushed(self, data: bytes, lane: Lane) -> None:
+        protocol = self.protocol
+        protocol.receive_data(data, lane)
+        self.flush()
+        if protocol.ended and self._pushing is not None:
+            self._pushing.pause_reading()  # receive() returns
 
     async def receive(self) -> bool:
         """Read once and feed the machine; False at the end of the stream, which the caller
-        reports (``receive_eof()``, or why it ended) before the next :meth:`flush`."""
+        reports (``receive_eof()``, or why it ended) before the next :meth:`flush`. Over a
+        pushing transport, reads feed the machine as they arrive and this returns at the end,
+        or when reading paused (the caller drains, then calls again to resume)."""
         protocol, transport = self.protocol, self.transport
         try:
             item = await transport.receive()
@@ -53,7 +69,7 @@ class Pump(Generic[E]):
             data, lane = item
             if transport.whole_frames:
                 protocol.receive_frame(data, lane)
-            else:
+            elif data:  # a pushing transport returns nothing when it paused for back-pressure
                 protocol.receive_data(data, lane)
         self.flush()
         return True
