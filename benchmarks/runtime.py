@@ -13,7 +13,13 @@ measured in the same run, on the same engine process where there is one:
   apart): beside the same pacing through ``run_cell``;
 * nested calls to a delegate whose ``invoke_tool`` returns at once, 500 awaited one by one and
   1,000 per ``Promise.all``, timed inside the cell: beside the same loops awaiting a JS-local
-  ``async`` function;
+  ``async`` function, and the sequential call beside the raw Python -> engine process -> Python
+  round trip (the ``terminate`` frame above) taken back to back, interleaved with the cells (the
+  hot-path issue's goal: <= 1.5x), and the CPU time per call of this process and of the engine
+  (``/proc/PID/task/*/schedstat``) beside the same per raw round trip;
+* the same nested calls through a :class:`~codemode.model.ToolRegistry` (the delegate of
+  ``CodeMode`` and ``codemode run --tools``), one sync and one async tool, interleaved with the
+  bare delegate on sessions of the same provider (goal: <= 1.2x the bare delegate);
 * trivial cells per second, 1 session back to back and 4 and 16 sessions in flight: beside the same
   through ``run_cell`` on the same engines;
 * RSS (``/proc/PID/statm``) per session for 1, 4 and 8 open sessions that each ran one cell: the
@@ -40,6 +46,7 @@ from pathlib import Path
 from typing import Final
 
 from benchmarks.common import loop_source, only_text, percentile, progress, quiesce
+from codemode.model import ToolRegistry
 from codemode.protocol import (
     JSON,
     CodeModeNestedToolCall,
@@ -65,6 +72,7 @@ PIPE_SAMPLES_PER_EXEC: Final = 6
 PACED_SAMPLES: Final = 120  # per path and pacing, in 2 alternating blocks
 PACE_S: Final = 0.010
 SEQ_CALLS: Final = 500
+PINGS: Final = 500  # raw engine round trips back to back, per sample
 PAR_CALLS: Final = 1000
 PAR_ROUNDS: Final = 3  # Promise.all rounds per cell, so that Date.now() (1 ms) is precise enough
 CALL_CELLS: Final = 7  # cells per nested-call figure: median (and range) reported
@@ -84,6 +92,8 @@ IDLE_ENGINE_TIMEOUT: Final = 3600.0
 GOAL_EXEC_P50_MS: Final = 5.0
 GOAL_SEQ_US: Final = 100.0
 GOAL_PAR_US: Final = 20.0
+GOAL_SEQ_VS_PING: Final = 1.5  # hot-path issue: sequential nested call / raw engine round trip
+GOAL_REGISTRY: Final = 1.2  # hot-path issue: through the registry / bare delegate
 
 ECHO: Final = ToolDefinition("echo", ToolName.plain("echo"), "Echo", CodeModeToolKind.FUNCTION)
 _PAGE_KIB: Final = (os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096) // 1024
@@ -200,6 +210,26 @@ async def pipe_round_trip(engine: NodeEngine) -> float:
     return time.perf_counter() - start
 
 
+def cpu_ns(pid: int) -> int | None:
+    """CPU time (ns) used so far by every thread of ``pid`` (``schedstat``; None off Linux)."""
+    total = 0
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with open(task / "schedstat", "rb") as stat:
+                total += int(stat.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return total
+
+
+async def pings(engine: NodeEngine, count: int) -> float:
+    """Microseconds per raw engine round trip, ``count`` of them back to back."""
+    start = time.perf_counter()
+    for _ in range(count):
+        await pipe_round_trip(engine)
+    return (time.perf_counter() - start) / count * 1e6
+
+
 async def engine_latency(engine: NodeEngine) -> float:
     """Seconds from ``run_cell`` to ``done`` of the trivial cell, without the session layer."""
     start = time.perf_counter()
@@ -242,6 +272,29 @@ class EchoDelegate(CodeModeSessionDelegate):
     ) -> JSON:
         """Return the input unchanged."""
         return invocation.input
+
+
+def echo_registry() -> ToolRegistry:
+    """A registry with the echo tool three times: a sync function (in a worker thread, and
+    ``inline`` on the loop) and an async one (typed arguments)."""
+    registry = ToolRegistry()
+
+    @registry.tool
+    def echo_sync(i: int) -> dict[str, int]:
+        """Echo, as a plain function (the registry runs it in a worker thread)."""
+        return {"i": i}
+
+    @registry.tool(inline=True)
+    def echo_inline(i: int) -> dict[str, int]:
+        """Echo, as a plain function run on the event loop."""
+        return {"i": i}
+
+    @registry.tool
+    async def echo_async(i: int) -> dict[str, int]:
+        """Echo, as a coroutine function."""
+        return {"i": i}
+
+    return registry
 
 
 async def execute(session: LocalSession, source: str, tools: list[ToolDefinition]) -> str:
@@ -401,13 +454,18 @@ async def measure_paced(session: LocalSession, provider: LocalSessionProvider) -
 
 async def measure_nested(
     session: LocalSession, provider: LocalSessionProvider
-) -> tuple[list[Row], float, float]:
-    """Nested-call rows; also returns the sequential and parallel medians (us) for the goals."""
+) -> tuple[list[Row], float, float, float]:
+    """Nested-call rows; also returns the sequential and parallel medians (us) for the goals,
+    and the median raw engine round trip, back to back (us)."""
     progress(f"nested calls: {SEQ_CALLS} sequential, {PAR_CALLS} parallel")
-    pids = [engine_pid(session)]
+    engine, pids = engine_of(session), [engine_pid(session)]
     await settle(provider, pids)
     rows: list[Row] = []
     medians: list[float] = []
+    ping_samples: list[float] = []
+    # CPU (us) per call of this process and of the engine, for each sequential cell and ping run.
+    cpu_seq: list[tuple[float, float]] = []
+    cpu_ping: list[tuple[float, float]] = []
     for kind, calls, rounds, local_rounds, label in (
         ("seq", SEQ_CALLS, 1, LOCAL_SEQ_ROUNDS, f"{SEQ_CALLS} awaited one by one"),
         ("par", PAR_CALLS, PAR_ROUNDS, LOCAL_PAR_ROUNDS, f"{PAR_CALLS} per Promise.all"),
@@ -416,7 +474,16 @@ async def measure_nested(
         source = loop_source(kind, "tools.echo", calls, rounds, SETTLE_MS)
         for _ in range(CALL_CELLS):
             await quiesce(pids)
+            here, there = cpu_ns(os.getpid()), cpu_ns(pids[0])
             samples.append(float(await execute(session, source, [ECHO])) * 1e3 / (calls * rounds))
+            if kind == "seq" and here is not None and there is not None:
+                cpu_seq.append(_per_call(here, there, pids[0], calls))
+            if kind == "seq":
+                await quiesce(pids)
+                here, there = cpu_ns(os.getpid()), cpu_ns(pids[0])
+                ping_samples.append(await pings(engine, PINGS))
+                if here is not None and there is not None:
+                    cpu_ping.append(_per_call(here, there, pids[0], PINGS))
         local: list[float] = []
         for _ in range(LOCAL_CELLS):
             await quiesce(pids)
@@ -438,7 +505,94 @@ async def measure_nested(
                 f"{median - base:+.{digits}f} us",
             )
         )
-    return rows, medians[0], medians[1]
+        if kind == "seq":
+            ping = statistics.median(ping_samples)
+            rows.append(
+                Row(
+                    f"  nested call, {label}, us/call, beside the raw engine round trip",
+                    f"{median:.1f}",
+                    f"{ping:.1f} ({min(ping_samples):.1f}-{max(ping_samples):.1f})",
+                    f"Python -> engine process -> Python frame round trip, {PINGS} back to back"
+                    " (median of as many samples, interleaved with the cells)",
+                    f"{median / ping:.2f}x",
+                )
+            )
+            if cpu_seq and cpu_ping:
+                python = statistics.median(c[0] for c in cpu_seq)
+                node = statistics.median(c[1] for c in cpu_seq)
+                python_ping = statistics.median(c[0] for c in cpu_ping)
+                node_ping = statistics.median(c[1] for c in cpu_ping)
+                rows.append(
+                    Row(
+                        "  CPU per sequential nested call, Python / engine process, us",
+                        f"{python:.1f} / {node:.1f}",
+                        f"{python_ping:.1f} / {node_ping:.1f}",
+                        "same per raw engine round trip (schedstat of every thread, this process"
+                        " includes the benchmark's own loop)",
+                        f"{python - python_ping:+.1f} / {node - node_ping:+.1f} us",
+                    )
+                )
+    return rows, medians[0], medians[1], statistics.median(ping_samples)
+
+
+def _per_call(here: int, there: int, pid: int, calls: int) -> tuple[float, float]:
+    """CPU (us) per call of this process and of ``pid`` since ``here`` / ``there``."""
+    now_here, now_there = cpu_ns(os.getpid()), cpu_ns(pid)
+    assert now_here is not None and now_there is not None
+    return (now_here - here) / calls / 1e3, (now_there - there) / calls / 1e3
+
+
+async def measure_registry(
+    session: LocalSession, provider: LocalSessionProvider
+) -> tuple[list[Row], list[float]]:
+    """Nested calls through a ``ToolRegistry`` (sync and async tool) beside the bare delegate.
+
+    The registry serves a session of its own (an engine of its own, from the same pool); its
+    cells alternate with the bare delegate's. Also returns the ratios for the goal.
+    """
+    progress("nested calls through ToolRegistry: sync and async tool beside the bare delegate")
+    registry = echo_registry()
+    served = await provider.create_session(registry)
+    try:
+        assert await execute(served, TRIVIAL, []) == "hi"
+        pids = [engine_pid(session), engine_pid(served)]
+        await settle(provider, pids)
+        rows: list[Row] = []
+        ratios: list[float] = []
+        tools = registry.definitions()
+        for kind, calls, rounds, label in (
+            ("seq", SEQ_CALLS, 1, f"{SEQ_CALLS} awaited one by one"),
+            ("par", PAR_CALLS, PAR_ROUNDS, f"{PAR_CALLS} per Promise.all"),
+        ):
+            bare: list[float] = []
+            through: dict[str, list[float]] = {"echo_sync": [], "echo_inline": [], "echo_async": []}
+            for _ in range(CALL_CELLS):
+                await quiesce(pids)
+                source = loop_source(kind, "tools.echo", calls, rounds, SETTLE_MS)
+                bare.append(float(await execute(session, source, [ECHO])) * 1e3 / (calls * rounds))
+                for name, samples in through.items():
+                    await quiesce(pids)
+                    source = loop_source(kind, f"tools.{name}", calls, rounds, SETTLE_MS)
+                    ms = float(await execute(served, source, tools))
+                    samples.append(ms * 1e3 / (calls * rounds))
+            base = statistics.median(bare)
+            digits = 1 if kind == "seq" else 2
+            for name, samples in through.items():
+                median = statistics.median(samples)
+                ratios.append(median / base)
+                flavour = {"echo_sync": "sync", "echo_inline": "sync inline"}.get(name, "async")
+                rows.append(
+                    Row(
+                        f"  through `ToolRegistry`, {flavour} tool, {label}, us/call",
+                        f"{median:.{digits}f} ({min(samples):.{digits}f}-{max(samples):.{digits}f})",
+                        f"{base:.{digits}f} ({min(bare):.{digits}f}-{max(bare):.{digits}f})",
+                        "the bare delegate (`invoke_tool` returns its input), cells interleaved",
+                        f"{median / base:.2f}x",
+                    )
+                )
+        return rows, ratios
+    finally:
+        await served.shutdown()
 
 
 async def measure_throughput(
@@ -617,14 +771,15 @@ async def run() -> None:
         blocked = await measure_blocked(provider, delegate)
         latency, p50 = await measure_latency(sessions[0], provider)
         paced = await measure_paced(sessions[0], provider)
-        nested, seq, par = await measure_nested(sessions[0], provider)
+        nested, seq, par, ping = await measure_nested(sessions[0], provider)
+        registry, registry_ratios = await measure_registry(sessions[0], provider)
         throughput = await measure_throughput(sessions, provider)
     finally:
         await provider.aclose()
     progress(f"done in {time.perf_counter() - began:.0f} s")
     python = statm(os.getpid())
     print_table(
-        [*latency, *paced, *nested, *throughput, *memory, blocked],
+        [*latency, *paced, *nested, *registry, *throughput, *memory, blocked],
         [
             f"Goals (runtime issue), {_node_version()}, Python {platform.python_version()},"
             f" {os.cpu_count()} CPUs; {_confinement()}:",
@@ -634,6 +789,14 @@ async def run() -> None:
             f" -- {_verdict(seq, GOAL_SEQ_US)}",
             f"- nested call, 1,000 parallel <= {GOAL_PAR_US:g} us amortised: {par:.2f} us"
             f" -- {_verdict(par, GOAL_PAR_US)}",
+            f"Goals (hot-path issue): sequential nested call <= {GOAL_SEQ_VS_PING:g}x the raw"
+            f" engine round trip: {seq:.1f} / {ping:.1f} us = {seq / ping:.2f}x"
+            f" -- {_verdict(seq / ping, GOAL_SEQ_VS_PING)};"
+            f" through the registry <= {GOAL_REGISTRY:g}x the bare delegate:"
+            f" {', '.join(f'{r:.2f}x' for r in registry_ratios)} (sync, sync inline, async:"
+            " sequential, then parallel) --"
+            f" {_verdict(max(registry_ratios[1:3] + registry_ratios[4:]), GOAL_REGISTRY)}"
+            " for inline and async tools (a sync tool in a worker thread pays the thread hop)",
             "RSS per session (engine resident / sessions, MiB): "
             + ", ".join(f"{n}: {kib / 1024:.1f}" for n, kib in per_session.items())
             + ("" if python is None else f"; this Python process: {_mib(python.resident)} MiB")

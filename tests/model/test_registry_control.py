@@ -134,3 +134,50 @@ def test_timeouts_must_be_positive() -> None:
     registry = ToolRegistry()
     with pytest.raises(ValueError, match="positive number of seconds"):
         registry.tool(timeout=-1)(lambda: None)
+
+
+async def test_sync_tools_run_in_a_worker_thread_unless_inline() -> None:
+    registry = ToolRegistry()
+    loop_thread = threading.get_ident()
+
+    @registry.tool
+    def threaded() -> bool:
+        return threading.get_ident() == loop_thread
+
+    @registry.tool(inline=True)
+    def on_the_loop() -> bool:
+        return threading.get_ident() == loop_thread
+
+    async with CodeMode(registry) as code_mode:
+        run = await run_cell(
+            code_mode,
+            "text(String(await tools.threaded({})) + ' ' + String(await tools.on_the_loop({})))",
+        )
+    assert run.texts == ["false true"]
+
+
+async def test_a_cancelled_call_ends_its_tool_and_rejects_with_the_cancelled_text() -> None:
+    """The token cancels the task the call runs in; the cell has gone, the registry's own
+    answer is the cancelled text (and the task itself is not left cancelled)."""
+    registry = ToolRegistry()
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    @registry.tool
+    async def hang() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    async with CodeMode(registry) as code_mode:
+        rendered = asyncio.ensure_future(
+            code_mode.handle_exec(
+                "call-1", '// @exec: {"yield_time_ms": 100}\nawait tools.hang({})'
+            )
+        )
+        await asyncio.wait_for(started.wait(), 10)
+        await rendered
+        await code_mode.handle_wait('{"cell_id": "1", "terminate": true}')
+        await asyncio.wait_for(cancelled.wait(), 10)

@@ -69,18 +69,40 @@ def flat_tool_name(tool_name: ToolName) -> str:
     return tool_name.name
 
 
-@dataclass(frozen=True, slots=True)
 class ToolContext:
     """Facts about one nested call, injected into a parameter annotated ``ToolContext``.
 
-    ``call_id`` is the call's own outer id (``exec-`` + a UUIDv4); ``cell_id`` and
-    ``runtime_tool_call_id`` record that it came from code mode.
+    ``call_id`` is the call's own outer id (``exec-`` + a UUIDv4, made when first read);
+    ``cell_id`` and ``runtime_tool_call_id`` record that it came from code mode.
     """
 
-    call_id: str
-    cell_id: CellId
-    runtime_tool_call_id: str
-    cancellation: CancellationToken
+    __slots__ = ("_call_id", "cancellation", "cell_id", "runtime_tool_call_id")
+
+    def __init__(
+        self,
+        *,
+        cell_id: CellId,
+        runtime_tool_call_id: str,
+        cancellation: CancellationToken,
+        call_id: str | None = None,
+    ) -> None:
+        self.cell_id = cell_id
+        self.runtime_tool_call_id = runtime_tool_call_id
+        self.cancellation = cancellation
+        self._call_id = call_id
+
+    @property
+    def call_id(self) -> str:
+        """The call's own id (``exec-`` + a UUIDv4)."""
+        if self._call_id is None:
+            self._call_id = f"exec-{uuid.uuid4()}"
+        return self._call_id
+
+    def __repr__(self) -> str:
+        return (
+            f"ToolContext(call_id={self.call_id!r}, cell_id={self.cell_id!r}, "
+            f"runtime_tool_call_id={self.runtime_tool_call_id!r})"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +271,7 @@ class Tool(Generic[P, R]):
         "_whole_arguments",
         "definition",
         "function",
+        "inline",
         "is_async",
     )
 
@@ -261,9 +284,11 @@ class Tool(Generic[P, R]):
         description: str | None = None,
         output_schema: object = None,
         freeform: bool = False,
+        inline: bool = False,
     ) -> None:
         self.function = function
         self.is_async = inspect.iscoroutinefunction(function)
+        self.inline = inline
         self._whole_arguments = False
         tool_name = ToolName(name or function.__name__, namespace)
         flat = _checked_flat_name(tool_name)
@@ -341,6 +366,7 @@ class Tool(Generic[P, R]):
         *,
         output_schema: Mapping[str, JSON] | None = None,
         namespace: str | None = None,
+        inline: bool = False,
     ) -> Tool[..., Any]:
         """A tool described by JSON Schemas rather than type hints.
 
@@ -351,6 +377,7 @@ class Tool(Generic[P, R]):
         the call gets an object (no argument gives ``{}``), anything else is rejected before
         ``call`` runs; checking the properties is ``call``'s business. The schemas are what
         the model is shown (as TypeScript); ``output_schema=None`` declares ``unknown``.
+        ``inline`` runs a sync ``call`` on the event loop, as for :func:`tool`.
         """
         if not isinstance(input_schema, Mapping):
             raise TypeError(f"tool `{name}`: input_schema must be a JSON Schema object")
@@ -363,6 +390,7 @@ class Tool(Generic[P, R]):
         item: Tool[..., Any] = cls.__new__(cls)
         item.function = call
         item.is_async = _is_async(call)
+        item.inline = inline
         item._whole_arguments = True
         item._args_type = None
         item._extra_keys = None
@@ -417,12 +445,15 @@ class Tool(Generic[P, R]):
         return next(name for name in parameters if name != self._context_parameter)
 
     async def invoke(self, arguments: JSON, context: ToolContext) -> JSON:
-        """Validate, run (sync functions in a worker thread) and return the JSON result."""
+        """Validate, run (sync functions in a worker thread, unless ``inline``) and return the
+        JSON result."""
         args, kwargs = self._bind(arguments, context)
         function: Callable[..., Any] = self.function
         try:
             if self.is_async:
                 result = await function(*args, **kwargs)
+            elif self.inline:
+                result = function(*args, **kwargs)
             else:
                 result = await asyncio.to_thread(function, *args, **kwargs)
             if inspect.isawaitable(result):  # a sync callable that returned a coroutine
@@ -488,6 +519,7 @@ def tool(
     description: str | None = None,
     output_schema: object = None,
     freeform: bool = False,
+    inline: bool = False,
 ) -> Callable[[Callable[P, R]], Tool[P, R]]: ...
 
 
@@ -500,6 +532,7 @@ def tool(
     description: str | None = None,
     output_schema: object = None,
     freeform: bool = False,
+    inline: bool = False,
 ) -> Tool[P, R] | Callable[[Callable[P, R]], Tool[P, R]]:
     """Make a function a nested tool.
 
@@ -510,6 +543,8 @@ def tool(
     A hint with no JSON Schema raises ``TypeError`` naming the tool and the parameter.
     ``output_schema`` is a JSON Schema or a Python type. A ``freeform`` tool takes exactly one
     ``str``. For a tool described by JSON Schemas instead, see :meth:`Tool.from_schema`.
+    A sync function runs in a worker thread so that it cannot stall the event loop; ``inline``
+    runs it on the loop instead (no thread hop: for quick functions that never block).
     """
 
     def decorate(function: Callable[P, R]) -> Tool[P, R]:
@@ -520,6 +555,7 @@ def tool(
             description=description,
             output_schema=output_schema,
             freeform=freeform,
+            inline=inline,
         )
 
     return decorate if function is None else decorate(function)
@@ -580,6 +616,7 @@ class ToolRegistry(CodeModeSessionDelegate):
         description: str | None = None,
         output_schema: object = None,
         freeform: bool = False,
+        inline: bool = False,
         timeout: float | None = None,
     ) -> Callable[[Callable[P, R]], Tool[P, R]]: ...
 
@@ -593,6 +630,7 @@ class ToolRegistry(CodeModeSessionDelegate):
         description: str | None = None,
         output_schema: object = None,
         freeform: bool = False,
+        inline: bool = False,
         timeout: float | None = None,
     ) -> Tool[P, R] | Callable[[Callable[P, R]], Tool[P, R]]:
         """Like :func:`tool`, and register the result here (``timeout`` as for :meth:`add`)."""
@@ -606,6 +644,7 @@ class ToolRegistry(CodeModeSessionDelegate):
                     description=description,
                     output_schema=output_schema,
                     freeform=freeform,
+                    inline=inline,
                 ),
                 timeout=timeout,
             )
@@ -656,7 +695,6 @@ class ToolRegistry(CodeModeSessionDelegate):
             raise CodeModeError(f"tool `{flat_tool_name(requested)}` is not enabled in exec")
         arguments = self._arguments(item, invocation)
         context = ToolContext(
-            call_id=f"exec-{uuid.uuid4()}",
             cell_id=invocation.cell_id,
             runtime_tool_call_id=invocation.runtime_tool_call_id,
             cancellation=cancellation,
@@ -765,27 +803,48 @@ def _checked_timeout(timeout: float | None) -> float | None:
 async def _cancellable(
     work: Awaitable[R], cancellation: CancellationToken, cancelled_message: str
 ) -> R:
-    """Run ``work`` as a task that the token cancels; a token-cancelled run raises the message."""
+    """Await ``work`` in the current task, which the token cancels; a token-cancelled run
+    raises the message. (No task of its own: a call that finishes without waiting then settles
+    in the step that received it.)"""
     if cancellation.is_cancelled():
         if inspect.iscoroutine(work):
             work.close()  # never started: avoid a "never awaited" warning
         raise CodeModeError(cancelled_message)
-    task = asyncio.ensure_future(work)
+    task = asyncio.current_task()
+    if task is None:  # not in a task (a caller driving the coroutine by hand): make one
+        return await _cancellable(asyncio.ensure_future(work), cancellation, cancelled_message)
     loop = asyncio.get_running_loop()
     loop_thread = threading.get_ident()
+    state = _CancelState()
+
+    def cancel() -> None:
+        if not state.done:
+            state.fired = True
+            task.cancel()
 
     def cancel_task() -> None:
         # The token may fire from another thread; a task is only cancelled on its own loop.
         if threading.get_ident() == loop_thread:
-            task.cancel()
+            cancel()
         else:
-            loop.call_soon_threadsafe(task.cancel)
+            loop.call_soon_threadsafe(cancel)
 
     cancellation.add_callback(cancel_task)
     try:
-        return await task
+        return await work
     except asyncio.CancelledError:
-        current = asyncio.current_task()
-        if current is not None and current.cancelling():
-            raise  # our caller is being cancelled: not the token's doing
-        raise CodeModeError(cancelled_message) from None
+        # Ours alone: the token's cancellation becomes the message; anyone else's goes on.
+        if state.fired and task.cancelling() == 1:
+            task.uncancel()
+            raise CodeModeError(cancelled_message) from None
+        raise
+    finally:
+        state.done = True
+
+
+class _CancelState:
+    __slots__ = ("done", "fired")
+
+    def __init__(self) -> None:
+        self.done = False
+        self.fired = False

@@ -11,8 +11,8 @@ With ``opentelemetry-api`` installed, the tracer ``codemode`` records:
   ``codemode.cell_id``; an error status and the exception when the call fails);
 * ``codemode.wait``: one span per ``wait`` call.
 
-Without the package nothing is imported or recorded; with the API but no SDK configured, the
-API's own no-op tracer is used. Spans are keyed by cell id within one :class:`CellSpans`, shared
+Without the package nothing is imported or recorded; nor while no tracer provider is set (the
+API alone records nothing, and its no-op spans would still cost a nested call several µs). Spans are keyed by cell id within one :class:`CellSpans`, shared
 by the handler that starts cells and the registry that serves their calls.
 """
 
@@ -30,24 +30,33 @@ __all__ = ["CellSpans", "enabled"]
 #: How long after its closure a cell's span waits for the cell's outcome.
 CLOSE_GRACE: Final = 1.0
 
-_tracer: Any = None
+_trace: Any = None
 _loaded = False
+_cached: tuple[Any, Any] = (None, None)  # (provider, its codemode tracer)
 
 
 def _get_tracer() -> Any:
-    global _tracer, _loaded
+    """The ``codemode`` tracer, or ``None`` without the package or a configured provider."""
+    global _trace, _loaded, _cached
     if not _loaded:
         _loaded = True
         try:
             from opentelemetry import trace
         except ImportError:
             return None
-        _tracer = trace.get_tracer("codemode")
-    return _tracer
+        _trace = trace
+    if _trace is None:
+        return None
+    provider = _trace.get_tracer_provider()
+    if isinstance(provider, _trace.ProxyTracerProvider):
+        return None
+    if _cached[0] is not provider:
+        _cached = (provider, provider.get_tracer("codemode"))
+    return _cached[1]
 
 
 def enabled() -> bool:
-    """Whether spans are recorded (``opentelemetry-api`` is importable)."""
+    """Whether spans are recorded (``opentelemetry-api`` is importable and a provider is set)."""
     return _get_tracer() is not None
 
 
@@ -83,14 +92,15 @@ class CellSpans:
 
     def fail(self, span: Any, message: str, cell_id: CellId | None = None) -> None:
         """End a span whose exec failed before or while its cell ran."""
+        if span is None:
+            return
         if cell_id is not None and self._open.get(cell_id) is span:
             del self._open[cell_id]
-        if span is not None:
-            from opentelemetry.trace import Status, StatusCode
+        from opentelemetry.trace import Status, StatusCode
 
-            span.set_attribute("codemode.outcome", "error")
-            span.set_status(Status(StatusCode.ERROR, message))
-            span.end()
+        span.set_attribute("codemode.outcome", "error")
+        span.set_status(Status(StatusCode.ERROR, message))
+        span.end()
 
     def closed(self, cell_id: CellId) -> None:
         """The cell is gone. Its outcome usually reaches the handler just after (the closure
