@@ -238,8 +238,14 @@ class CodeModeSession(ABC):
         """Admit a cell and return at once; its first outcome is ``initial_response()``."""
 
     @abstractmethod
-    async def wait(self, request: WaitRequest) -> WaitOutcome:
-        """Observe a cell for up to ``request.yield_time_ms``."""
+    async def wait(
+        self, request: WaitRequest, *, early_yield: asyncio.Event | None = None
+    ) -> WaitOutcome:
+        """Observe a cell for up to ``request.yield_time_ms``. Once ``early_yield`` is set
+        (already set: at once), the observation ends early with what the cell produced so far,
+        without stopping it; a carrier that cannot do that raises
+        :data:`EARLY_YIELD_UNSUPPORTED` for an event set before the wait, and lets the wait run
+        its course for one set later."""
 
     @abstractmethod
     async def terminate(self, cell_id: CellId) -> WaitOutcome:

@@ -504,12 +504,6 @@ async def test_yield_observation_ends_a_wait_early(stub: Stub) -> None:
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the items produced so far stay buffered for the next observation: the session API "
-    "offers no early end of a Wait's observation (only of an Execute's, StartedCell.yield_early), "
-    "so the host detaches it and answers yielded([])",
-)
 async def test_yield_observation_returns_the_items_so_far(stub: Stub) -> None:
     lease = await _open(stub)
     source = "await new Promise((r) => setTimeout(r, 200)); text('b'); await new Promise(() => {})"
@@ -601,7 +595,9 @@ class _Terminating(CodeModeSession):
     async def execute(self, request: ExecuteRequest) -> StartedCell:
         raise CodeModeError("not used")
 
-    async def wait(self, request: WaitRequest) -> WaitOutcome:
+    async def wait(
+        self, request: WaitRequest, *, early_yield: asyncio.Event | None = None
+    ) -> WaitOutcome:
         raise CodeModeError(f"exec cell {request.cell_id} already has an active observer")
 
     async def terminate(self, cell_id: CellId) -> WaitOutcome:
@@ -641,7 +637,9 @@ class _NoEarlyYield(CodeModeSession):
         never: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         return StartedCell(CellId("1"), never)
 
-    async def wait(self, request: WaitRequest) -> WaitOutcome:
+    async def wait(
+        self, request: WaitRequest, *, early_yield: asyncio.Event | None = None
+    ) -> WaitOutcome:
         raise CodeModeError("not used")
 
     async def terminate(self, cell_id: CellId) -> WaitOutcome:

@@ -100,7 +100,9 @@ class RecordingSession(CodeModeSession):
         self.requests.append(request)
         return await self.inner.execute(request)
 
-    async def wait(self, request: WaitRequest) -> WaitOutcome:
+    async def wait(
+        self, request: WaitRequest, *, early_yield: asyncio.Event | None = None
+    ) -> WaitOutcome:
         return await self.inner.wait(request)
 
     async def terminate(self, cell_id: CellId) -> WaitOutcome:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import pytest
@@ -71,7 +72,9 @@ class FakeSession(CodeModeSession):
             raise self.initial_failure
         return self.response
 
-    async def wait(self, request: WaitRequest) -> WaitOutcome:
+    async def wait(
+        self, request: WaitRequest, *, early_yield: asyncio.Event | None = None
+    ) -> WaitOutcome:
         if self.failure is not None:
             raise self.failure
         self.waited.append(request)

@@ -152,3 +152,47 @@ async def test_the_hook_is_passed_through_from_awaitable() -> None:
     await started.initial_response()
     started.yield_early()  # delivered: the hook is not called again
     assert calls == ["yield"]
+
+
+async def test_a_wait_ends_early_with_the_items_so_far(provider: LocalSessionProvider) -> None:
+    session = await provider.create_session(NoopCodeModeSessionDelegate())
+    source = "text('a'); await new Promise((r) => setTimeout(r, 100)); text('b'); " + FOREVER
+    started = await session.execute(ExecuteRequest("c", source, [], 10))
+    assert _texts(await started.initial_response()) == ["a"]
+    signal = asyncio.Event()
+    waiting = asyncio.ensure_future(
+        session.wait(WaitRequest(started.cell_id, 60_000), early_yield=signal)
+    )
+    await asyncio.sleep(0.4)
+    assert not waiting.done()
+    signal.set()
+    outcome = await asyncio.wait_for(waiting, 5)
+    assert outcome == LiveCell(Yielded(started.cell_id, [InputText("b")]))
+    # Already set: the wait yields at once, and the cell still runs.
+    signal = asyncio.Event()
+    signal.set()
+    outcome = await asyncio.wait_for(
+        session.wait(WaitRequest(started.cell_id, 60_000), early_yield=signal), 5
+    )
+    assert outcome == LiveCell(Yielded(started.cell_id, []))
+    assert await session.terminate(started.cell_id) == LiveCell(Terminated(started.cell_id, []))
+    await session.shutdown()
+
+
+@pytest.mark.timeout(60)
+async def test_a_v1_wait_refuses_an_early_yield_already_requested() -> None:
+    from codemode.client import ProcessOwnedCodeModeSessionProvider
+
+    async with ProcessOwnedCodeModeSessionProvider() as remote:
+        session = await remote.create_session(NoopCodeModeSessionDelegate())
+        started = await session.execute(ExecuteRequest("c", FOREVER, [], 10))
+        await started.initial_response()
+        raised = asyncio.Event()
+        raised.set()
+        with pytest.raises(CodeModeError) as caught:
+            await session.wait(WaitRequest(started.cell_id, 10), early_yield=raised)
+        assert str(caught.value) == EARLY_YIELD_UNSUPPORTED
+        # Not set: the wait runs its course.
+        outcome = await session.wait(WaitRequest(started.cell_id, 10), early_yield=asyncio.Event())
+        assert outcome == LiveCell(Yielded(started.cell_id, []))
+        await session.shutdown()

@@ -32,6 +32,7 @@ from codemode.protocol.v1.client import ClientProtocol
 from codemode.protocol.v1.handshake import Negotiated
 from codemode.protocol.v1.revision import WireRevision
 from codemode.session import (
+    EARLY_YIELD_UNSUPPORTED,
     CancellationToken,
     CodeModeSession,
     CodeModeSessionDelegate,
@@ -448,8 +449,13 @@ class RemoteSession(CodeModeSession):
         """Admit a cell on the host; its first outcome is ``initial_response()``."""
         return await self._connection._execute(self, request)
 
-    async def wait(self, request: WaitRequest) -> WaitOutcome:
-        """Observe a cell for up to ``request.yield_time_ms``."""
+    async def wait(
+        self, request: WaitRequest, *, early_yield: asyncio.Event | None = None
+    ) -> WaitOutcome:
+        """Observe a cell for up to ``request.yield_time_ms`` (V1 has no early yield: an
+        ``early_yield`` already set raises, one set later has no effect)."""
+        if early_yield is not None and early_yield.is_set():
+            raise CodeModeError(EARLY_YIELD_UNSUPPORTED)
         return await self._connection._wait(self, request)
 
     async def terminate(self, cell_id: CellId) -> WaitOutcome:

@@ -73,9 +73,7 @@ from codemode.protocol.types import (
     CellId,
     CodeModeNestedToolCall,
     CodeModeSessionCellExecutionLimits,
-    LiveCell,
     WaitOutcome,
-    Yielded,
 )
 from codemode.session import (
     CancellationToken,
@@ -301,8 +299,8 @@ class _Subscription:
 class _Wait:
     task: asyncio.Task[WaitOutcome]
     cell_id: CellId
+    early_yield: asyncio.Event
     cancelled: bool = False
-    yielded: bool = False
 
 
 def _tool_key(name: str, namespace: str | None) -> tuple[str, str | None]:
@@ -891,16 +889,15 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
                     raise _Status(grpc.StatusCode.CANCELLED, texts.WAIT_WAS_CANCELLED)
                 runtime = session.runtime
                 assert runtime is not None
-                task = asyncio.ensure_future(runtime.wait(domain))
-                wait = _Wait(task, domain.cell_id)
+                # YieldObservation sets it (one that overtook the Wait: already set).
+                early_yield = asyncio.Event()
+                if wait_id in session.early_yields:
+                    session.early_yields.discard(wait_id)
+                    early_yield.set()
+                task = asyncio.ensure_future(runtime.wait(domain, early_yield=early_yield))
+                wait = _Wait(task, domain.cell_id, early_yield)
                 session.waits[wait_id] = wait
                 try:
-                    if wait_id in session.early_yields:
-                        session.early_yields.discard(wait_id)
-                        await asyncio.sleep(0)  # attach, then yield at once
-                        if not task.done():
-                            wait.yielded = True
-                            task.cancel()
                     try:
                         await asyncio.wait((task,))
                     except asyncio.CancelledError:
@@ -919,11 +916,7 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
         if wait.cancelled:
             raise _Status(grpc.StatusCode.CANCELLED, texts.WAIT_WAS_CANCELLED)
         if task.cancelled():
-            if session.closing or not wait.yielded:
-                raise _Status(grpc.StatusCode.CANCELLED, texts.SESSION_IS_CLOSED)
-            # Ended early by YieldObservation: what the cell produced so far stays buffered
-            # for its next observation (the runtime offers no early end of an observation).
-            return LiveCell(Yielded(wait.cell_id, []))
+            raise _Status(grpc.StatusCode.CANCELLED, texts.SESSION_IS_CLOSED)
         error = task.exception()
         if isinstance(error, CodeModeError):
             raise self._runtime_error(session, error)
@@ -947,9 +940,7 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
                     wait_id = self._identifier("wait_id", request.wait_id)
                     wait = session.waits.get(wait_id)
                     if wait is not None:
-                        if not wait.task.done():
-                            wait.yielded = True
-                            wait.task.cancel()
+                        wait.early_yield.set()  # a no-op once the Wait has its outcome
                     elif wait_id not in session.wait_ids:
                         session.early_yields.add(wait_id)
                 else:

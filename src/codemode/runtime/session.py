@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 
@@ -229,12 +229,31 @@ class LocalSession(CodeModeSession):
             cell_id, initial, lambda: self._abandon(cell_id), yield_early=early.request
         )
 
-    async def wait(self, request: WaitRequest) -> WaitOutcome:
+    async def wait(
+        self, request: WaitRequest, *, early_yield: asyncio.Event | None = None
+    ) -> WaitOutcome:
         self._check_open()
         cell = self._cells.get(request.cell_id)
         if cell is None:
             return _missing(request.cell_id)
-        return LiveCell(await cell.observe(self._yield_ms(request.yield_time_ms)))
+        yield_ms = self._yield_ms(request.yield_time_ms)
+        if early_yield is None:
+            return LiveCell(await cell.observe(yield_ms))
+        early = EarlyYield()
+        if early_yield.is_set():
+            early.request()
+            return LiveCell(await cell.observe(yield_ms, early))
+        watcher = asyncio.ensure_future(early_yield.wait())
+
+        def fired(done: asyncio.Future[Any]) -> None:
+            if not done.cancelled():
+                early.request()
+
+        watcher.add_done_callback(fired)
+        try:
+            return LiveCell(await cell.observe(yield_ms, early))
+        finally:
+            watcher.cancel()
 
     async def terminate(self, cell_id: CellId) -> WaitOutcome:
         self._check_open()
