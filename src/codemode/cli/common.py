@@ -78,12 +78,18 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run all sessions in one engine process (one trust domain)",
     )
+    parser.add_argument(
+        "--console",
+        action="store_true",
+        help="give cells a console whose log/info/warn/error/debug append text (off: as upstream)",
+    )
 
 
 def local_provider(args: argparse.Namespace, *, store_load: bool = True) -> LocalSessionProvider:
     """The embedded runtime, configured by the engine options."""
     return LocalSessionProvider(
         store_load=store_load,
+        console=args.console,
         shared_engine=args.shared_engine,
         memory_cap_bytes=args.memory_cap,
         require_confinement=args.require_confinement,

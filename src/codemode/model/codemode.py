@@ -138,8 +138,8 @@ class CodeMode:
     :meth:`aclose` (only the cells started here are terminated); a session opened from
     ``provider`` (with ``limits``) is shut down, the provider is left open. ``code_mode_only``:
     the model reaches the nested tools only through ``exec``, so their declarations go into the
-    exec description. ``store_load`` configures the embedded runtime and the description (match
-    it to a session you bring); ``clock`` measures the wall time shown to the model.
+    exec description. ``store_load`` and ``console`` (an opt-in ``console.log`` that appends text)
+    configure the embedded runtime and the description (match them to a session you bring); ``clock`` measures the wall time shown to the model.
     """
 
     def __init__(
@@ -153,6 +153,7 @@ class CodeMode:
         code_mode_only: bool = True,
         store_load: bool = True,
         image_detail: bool = True,
+        console: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if session is not None and (provider is not None or limits is not None):
@@ -169,6 +170,7 @@ class CodeMode:
         self._code_mode_only = code_mode_only
         self._store_load = store_load
         self._image_detail = image_detail
+        self._console = console
         self._clock = clock
         self._handler: CodeModeToolHandler | None = None
         self._owned_provider: LocalSessionProvider | None = None
@@ -215,7 +217,9 @@ class CodeMode:
     async def _open_session(self) -> CodeModeSession:
         provider = self._provider
         if provider is None:
-            provider = self._owned_provider = LocalSessionProvider(store_load=self._store_load)
+            provider = self._owned_provider = LocalSessionProvider(
+                store_load=self._store_load, console=self._console
+            )
         try:
             return await provider.create_session_with_limits(self.registry, self._limits)
         except BaseException:
@@ -263,6 +267,7 @@ class CodeMode:
             namespace_descriptions=self.registry.namespace_descriptions(),
             store_load=self._store_load,
             image_detail=self._image_detail,
+            console=self._console,
         )
 
     def tools(self) -> list[dict[str, JSON]]:

@@ -137,7 +137,7 @@ class NamespaceDescription:
     description: str
 
 
-def _helpers(store_load: bool, image_detail: bool) -> str:
+def _helpers(store_load: bool, image_detail: bool, console: bool = False) -> str:
     lines = [
         "Global helpers:",
         "- `exit()`: ends the script successfully right away, like an early top-level return.",
@@ -152,6 +152,11 @@ def _helpers(store_load: bool, image_detail: bool) -> str:
     ]
     if store_load:
         lines.append(_STORE_LOAD)
+    if console:
+        lines.append(
+            "- `console.log(...values)` (also `info`, `warn`, `error`, `debug`): appends one text "
+            "item, the values stringified like `text(...)` and joined by spaces."
+        )
     lines += [
         "- `notify(value: string | number | boolean | undefined | null)`: immediately injects an "
         "extra `custom_tool_call_output` for the current `exec` call; the value is stringified "
@@ -198,6 +203,7 @@ def build_exec_description(
     store_load: bool = True,
     image_detail: bool = True,
     default_yield_time_ms: int = DEFAULT_EXEC_YIELD_TIME_MS,
+    console: bool = False,
 ) -> str:
     """The ``exec`` tool description (§15.1).
 
@@ -208,7 +214,7 @@ def build_exec_description(
     intro = _INTRO.replace("{yield_ms}", str(default_yield_time_ms)).replace(
         "{max_tokens}", str(DEFAULT_MAX_OUTPUT_TOKENS_PER_EXEC_CALL)
     )
-    sections = [intro, _helpers(store_load, image_detail)]
+    sections = [intro, _helpers(store_load, image_detail, console)]
     if deferred_tools:
         sections.append(_DEFERRED_NOTE)
     if code_mode_only:

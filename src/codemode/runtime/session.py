@@ -172,6 +172,7 @@ class LocalSession(CodeModeSession):
         limits: CodeModeSessionCellExecutionLimits | None = None,
         *,
         store_load: bool = True,
+        console: bool = False,
         idle_engine_timeout: float = DEFAULT_IDLE_ENGINE_TIMEOUT,
     ) -> None:
         # A NodeEngine is shared (and owned by the caller); a pool gives this session its own.
@@ -187,6 +188,7 @@ class LocalSession(CodeModeSession):
         heap = self.limits.max_heap_size_bytes
         self._heap_mb = None if heap is None else max(1, math.ceil(heap / _MIB))
         self._store_load = store_load
+        self._console = console
         self._store: dict[str, str] = {}
         self._store_chars = 0
         self._cells: dict[CellId, Cell] = {}
@@ -361,7 +363,8 @@ class LocalSession(CodeModeSession):
             callable_tools.append((identifier, index))
             listed.append({"name": identifier, "description": tool.description})
         store = list(self._store.items()) if self._store_load else None
-        return _ENCODER.encode({"tools": callable_tools, "all": listed, "store": store}).decode()
+        config = {"tools": callable_tools, "all": listed, "store": store, "console": self._console}
+        return _ENCODER.encode(config).decode()
 
     def _abandon(self, cell_id: CellId) -> None:
         # Called when a StartedCell is abandoned, possibly from a finalizer.
@@ -379,7 +382,9 @@ class LocalSession(CodeModeSession):
 class LocalSessionProvider(CodeModeSessionProvider):
     """Creates :class:`LocalSession` objects, each with an engine process of its own.
 
-    ``store_load=False`` removes ``store``/``load`` from every cell. ``shared_engine=True`` runs
+    ``store_load=False`` removes ``store``/``load`` from every cell; ``console=True`` gives every
+    cell a ``console`` whose ``log`` (and ``info``, ``warn``, ``error``, ``debug``) appends a
+    text item (upstream cells have none). ``shared_engine=True`` runs
     all sessions in one engine process (one trust domain: an escaped cell could reach the other
     sessions' cells). ``memory_cap_bytes`` bounds each engine process; ``require_confinement``
     refuses to start engines where an OS confinement layer is unavailable. Close with
@@ -390,6 +395,7 @@ class LocalSessionProvider(CodeModeSessionProvider):
         self,
         *,
         store_load: bool = True,
+        console: bool = False,
         shared_engine: bool = False,
         warm_engines: int = 1,
         memory_cap_bytes: int = DEFAULT_MEMORY_CAP_BYTES,
@@ -398,6 +404,7 @@ class LocalSessionProvider(CodeModeSessionProvider):
         engine: NodeEngine | None = None,
     ) -> None:
         self.store_load = store_load
+        self.console = console
         self.idle_engine_timeout = idle_engine_timeout
         self.pool = EnginePool(
             size=warm_engines,
@@ -430,6 +437,7 @@ class LocalSessionProvider(CodeModeSessionProvider):
             delegate,
             limits,
             store_load=self.store_load,
+            console=self.console,
             idle_engine_timeout=self.idle_engine_timeout,
         )
         if self.shared_engine is None:

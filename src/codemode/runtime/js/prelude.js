@@ -318,6 +318,17 @@
     emit('input_text', valueToText(value));
   }
 
+  // Opt-in (config.console): console.log(...values) and its siblings append one text item, the
+  // values stringified like text() and joined by spaces. Upstream cells have no console.
+  function makeConsole() {
+    const write = (...values) => {
+      let line = '';
+      for (let i = 0; i < values.length; i++) line += (i === 0 ? '' : ' ') + valueToText(values[i]);
+      emit('input_text', line);
+    };
+    return { log: write, info: write, warn: write, error: write, debug: write };
+  }
+
   // -- store / load (§6) -------------------------------------------------------------------------
   const RESERVED_KEYS = ['$serde_json::private::RawValue', '$serde_json::private::Number'];
   const RESERVED = {};
@@ -488,6 +499,7 @@
     install('notify', notify);
     install('yield_control', yield_control);
     install('exit', exit);
+    if (config.console) install('console', makeConsole());
   }
 
   // Every dynamic import() of the cell is renamed to a call of this (host.js).
