@@ -49,3 +49,20 @@ async def test_the_exec_description_mentions_the_console_only_when_on() -> None:
         rendered = await with_console.handle_exec("call-1", 'console.log("seen")')
     assert [item.text for item in rendered.items[1:] if isinstance(item, InputText)] == ["seen"]
     await plain.aclose()
+
+
+async def test_the_console_is_of_the_cells_own_realm() -> None:
+    """Nothing from outside the isolate: its functions' constructors reach no Node global."""
+    source = (
+        "const F = console.log.constructor;"
+        " text(String(F === Function));"
+        " text(F('return typeof process + typeof require + typeof globalThis.console')());"
+        " text(Object.getPrototypeOf(console) === Object.prototype ? 'plain' : 'other')"
+    )
+    async with LocalSessionProvider(console=True) as provider:
+        session = await provider.create_session(NoopCodeModeSessionDelegate())
+        started = await session.execute(ExecuteRequest("c", source))
+        response = await started.initial_response()
+    assert response == Result(
+        CellId("1"), [InputText("true"), InputText("undefinedundefinedobject"), InputText("plain")]
+    )

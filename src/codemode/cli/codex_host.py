@@ -44,11 +44,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def host_arguments(argv: Sequence[str] | None = None) -> list[str]:
     """The ``codemode`` arguments that serve what ``codex-code-mode-host ARGV`` asks for."""
-    args = _parser().parse_args(argv)
-    listen = args.listen
-    if listen in ("stdio", "stdio://"):
+    return _codemode_arguments(_parser().parse_args(argv))
+
+
+def _codemode_arguments(args: argparse.Namespace) -> list[str]:
+    if args.listen in ("stdio", "stdio://"):
         return ["host", "--stdio", "--wire-revision", "auto"]
-    return ["host", "--listen", listen]
+    return ["host", "--listen", args.listen]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -61,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     from codemode.cli import main as codemode_main
 
-    return codemode_main(host_arguments(argv), only="host")
+    return codemode_main(_codemode_arguments(args), only="host")
 
 
 if __name__ == "__main__":  # pragma: no cover
