@@ -336,7 +336,9 @@ class Cell:
     def on_yield(self, turn: int) -> None:
         pass
 
-    def on_done(self, error: str | None, writes: list[tuple[str, str]]) -> None:
+    def on_done(
+        self, error: str | None, writes: list[tuple[str, str]], call: tuple[int, int, int] | None
+    ) -> None:
         self.ended_at = time.perf_counter()
         if not self.done.done():
             self.done.set_result(error)

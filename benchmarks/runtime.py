@@ -173,7 +173,9 @@ class Sink:
     def on_yield(self, turn: int) -> None:
         """Ignored."""
 
-    def on_done(self, error: str | None, writes: list[tuple[str, str]]) -> None:
+    def on_done(
+        self, error: str | None, writes: list[tuple[str, str]], call: tuple[int, int, int] | None
+    ) -> None:
         """The cell completed (``error`` is None on success)."""
         if not self.done.done():
             self.done.set_result(error)

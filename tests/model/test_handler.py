@@ -22,6 +22,7 @@ from codemode.protocol.types import (
     MissingCell,
     Result,
     RuntimeResponse,
+    ToolCallSite,
     ToolDefinition,
     ToolName,
     WaitOutcome,
@@ -327,6 +328,16 @@ async def test_error_lines_count_the_pragma_line(session: FakeSession) -> None:
     assert "at exec_main.mjs:3:6\n    at exec_main.mjs:2:1" in text
     assert "printed exec_main.mjs:2:6" in text  # what the cell printed is left alone
     assert session.executed[0].source == "text(1)\nnull.x"  # the request is as pinned
+
+
+async def test_a_failed_tool_call_s_line_counts_the_pragma_line(session: FakeSession) -> None:
+    session.response = Result(CellId("1"), [], "boom", failed_call=ToolCallSite("fail", 2, 7))
+    rendered = await handler_for(session).handle_exec(
+        "call-1", '// @exec: {"yield_time_ms": 5}\ntext(1)\nawait tools.fail({})'
+    )
+    assert rendered.items[-1] == InputText(
+        "Script error:\nboom\n    at tools.fail (exec_main.mjs:3:7)"
+    )
 
 
 async def test_without_a_pragma_error_lines_are_the_engine_s(session: FakeSession) -> None:

@@ -34,6 +34,7 @@ from codemode.protocol.types import (
     MissingCell,
     Result,
     Terminated,
+    ToolCallSite,
     Yielded,
 )
 
@@ -89,6 +90,14 @@ def test_m02_failed_appends_the_script_error() -> None:
         InputText("Script error:\nboom"),
     ]
     assert rendered.success is False
+
+
+def test_a_failed_tool_call_s_site_follows_the_script_error() -> None:
+    result = Result(CELL, [], "boom", failed_call=ToolCallSite("fail", 3, 7))
+    rendered = render_response(result, 0.0)
+    assert rendered.items[1:] == [
+        InputText("Script error:\nboom\n    at tools.fail (exec_main.mjs:3:7)")
+    ]
 
 
 def test_m03_yielded() -> None:

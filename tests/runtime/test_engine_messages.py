@@ -50,8 +50,10 @@ class Events:
     def on_yield(self, turn: int) -> None:
         self.seen.append(("yield", turn))
 
-    def on_done(self, error: str | None, writes: list[tuple[str, str]]) -> None:
-        self.seen.append(("done", (error, writes)))
+    def on_done(
+        self, error: str | None, writes: list[tuple[str, str]], call: tuple[int, int, int] | None
+    ) -> None:
+        self.seen.append(("done", (error, writes, call)))
 
     def on_exited(self, reason: str, detail: str | None) -> None:
         self.seen.append(("exited", reason))
@@ -94,6 +96,9 @@ def wired() -> tuple[NodeEngine, _EngineOutput, Events, StubTransport]:
         b'[{"t":"item","cell":1,"type":"input_image","value":"x","detail":"huge"}]',
         b'[{"t":"exited","cell":1,"reason":"vanished"}]',
         b'[{"t":"done","cell":1,"error":null,"writes":"[[\\"k\\", ]]"}]',  # writes not JSON
+        b'[{"t":"done","cell":1,"error":"x","writes":"[]","call":[0,0,1]}]',  # line 0
+        b'[{"t":"done","cell":1,"error":"x","writes":"[]","call":[0,1]}]',  # no column
+        b'[{"t":"done","cell":1,"error":"x","writes":"[]","call":["fail",1,1]}]',  # a name
         b'{"t":"started","cell":1}',  # not a batch
     ],
 )
@@ -183,6 +188,27 @@ async def test_a_forged_call_to_a_tool_the_cell_does_not_have_is_refused() -> No
         ]
         assert delegate.calls == []
         await session.terminate(started.cell_id)
+
+
+async def test_a_forged_call_site_naming_no_tool_of_the_cell_is_dropped() -> None:
+    async with LocalSessionProvider() as provider:
+        session = await provider.create_session(RecordingDelegate())
+        started = await session.execute(
+            ExecuteRequest(
+                tool_call_id="c",
+                source="await new Promise(() => {})",
+                enabled_tools=list(FIXTURE_TOOLS),
+                yield_time_ms=60_000,
+            )
+        )
+        engine = session.engine
+        assert engine is not None
+        key = next(iter(engine._cells))
+        forged = [{"t": "done", "cell": key, "error": "boom", "writes": "[]", "call": [99, 1, 1]}]
+        _EngineOutput(engine).data_received(frame(json.dumps(forged).encode()))
+        result = await asyncio.wait_for(started.initial_response(), 10)
+        assert result == Result(started.cell_id, [], "boom")
+        assert isinstance(result, Result) and result.failed_call is None
 
 
 @pytest.mark.slow

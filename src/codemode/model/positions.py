@@ -3,8 +3,8 @@
 An exec input may start with a ``// @exec:`` pragma line, which is removed before the cell runs
 (the execute request carries the code without it). The engine then counts lines from the code, so
 ``exec_main.mjs:2:6`` in an error means line 3 of what the model wrote. The model layer knows how
-many lines it removed and moves the positions in error texts back to the model's lines; the items
-a cell printed are left as they are.
+many lines it removed and moves the positions in error texts (and the site of a failed tool call)
+back to the model's lines; the items a cell printed are left as they are.
 """
 
 from __future__ import annotations
@@ -28,7 +28,10 @@ def in_source_lines(response: RuntimeResponse, removed_lines: int) -> RuntimeRes
         lambda match: f"exec_main.mjs:{int(match[1]) + removed_lines}:{match[2]}",
         response.error_text,
     )
-    return replace(response, error_text=text)
+    site = response.failed_call
+    if site is not None:
+        site = replace(site, line=site.line + removed_lines)
+    return replace(response, error_text=text, failed_call=site)
 
 
 def outcome_in_source_lines(outcome: WaitOutcome, removed_lines: int) -> WaitOutcome:

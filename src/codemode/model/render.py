@@ -271,6 +271,15 @@ def _status(response: RuntimeResponse) -> tuple[str, bool]:
     return "Script failed", False
 
 
+def _call_site(result: Result) -> str:
+    # After the spec's text, so the error still starts as §15.4 says: the cell line whose tool
+    # call failed, in the form of the stack frames a model already reads in error texts.
+    site = result.failed_call
+    if site is None:
+        return ""
+    return f"\n    at tools.{site.tool} (exec_main.mjs:{site.line}:{site.column})"
+
+
 def render_response(
     response: RuntimeResponse, wall_time_seconds: float, max_tokens: int | None = None
 ) -> RenderedOutput:
@@ -278,7 +287,7 @@ def render_response(
     budget = DEFAULT_MAX_OUTPUT_TOKENS_PER_EXEC_CALL if max_tokens is None else max_tokens
     items: list[ContentItem] = list(response.content_items)
     if isinstance(response, Result) and response.error_text is not None:
-        items.append(InputText(f"Script error:\n{response.error_text}"))
+        items.append(InputText(f"Script error:\n{response.error_text}{_call_site(response)}"))
     status, success = _status(response)
     header = InputText(
         f"{status}\nWall time {format_wall_time(wall_time_seconds)} seconds\nOutput:\n"

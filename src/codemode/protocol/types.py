@@ -27,6 +27,7 @@ __all__ = [
     "Result",
     "RuntimeResponse",
     "Terminated",
+    "ToolCallSite",
     "ToolDefinition",
     "ToolName",
     "WaitOutcome",
@@ -167,14 +168,28 @@ class Terminated:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCallSite:
+    """Where a cell called a tool: ``tools.<tool>`` at ``exec_main.mjs:<line>:<column>``."""
+
+    tool: str
+    line: int
+    column: int
+
+
+@dataclass(frozen=True, slots=True)
 class Result:
-    """The cell completed; ``error_text`` is set when the script failed."""
+    """The cell completed; ``error_text`` is set when the script failed.
+
+    ``failed_call`` is where the cell called the tool whose failure text ``error_text`` is (the
+    cell did not catch it). Only the embedded runtime knows it: no wire protocol carries it.
+    """
 
     cell_id: CellId
     content_items: list[ContentItem] = field(default_factory=list)
     error_text: str | None = None
     host_duration_ns: int | None = field(default=None, compare=False, kw_only=True)
     result_buffered_for_ns: int | None = field(default=None, compare=False, kw_only=True)
+    failed_call: ToolCallSite | None = field(default=None, compare=False, kw_only=True)
 
 
 RuntimeResponse: TypeAlias = Yielded | Terminated | Result

@@ -21,6 +21,7 @@ import msgspec
 from codemode.errors import CodeModeError
 from codemode.protocol.constants import CALLBACK_GRACE, MAX_PENDING_DELEGATE_CALLS
 from codemode.protocol.delegation import CallbackFailed, CallbackResult, tool_result_json
+from codemode.protocol.identifiers import normalize_identifier
 from codemode.protocol.texts import (
     EXEC_RUNTIME_ENDED_UNEXPECTEDLY,
     TOO_MANY_CALLBACKS,
@@ -36,6 +37,7 @@ from codemode.protocol.types import (
     Result,
     RuntimeResponse,
     Terminated,
+    ToolCallSite,
     ToolDefinition,
     Yielded,
 )
@@ -141,6 +143,7 @@ class Cell:
         self._yield_turn = -1  # the cell's turn of the last yield_control that ended an observation
         self._started = False
         self._error_text: str | None = None
+        self._failed_call: ToolCallSite | None = None
         self._calls: dict[str, tuple[asyncio.Future[Any], CancellationToken]] = {}
         self._notifications: dict[asyncio.Future[None], CancellationToken] = {}
         self._stopped = asyncio.Event()
@@ -232,7 +235,11 @@ class Cell:
         # How long the completion waited for an observer (0 when one was attached).
         buffered = 0 if self._completed_at == 0 else time.monotonic_ns() - self._completed_at
         return Result(
-            self.cell_id, self._drain(), self._error_text, result_buffered_for_ns=buffered
+            self.cell_id,
+            self._drain(),
+            self._error_text,
+            result_buffered_for_ns=buffered,
+            failed_call=self._failed_call,
         )
 
     # -- engine events ---------------------------------------------------------------------------
@@ -332,13 +339,18 @@ class Cell:
     def _notification_done(self, task: asyncio.Future[None]) -> None:
         self._notifications.pop(task, None)
 
-    def on_done(self, error: str | None, writes: list[tuple[str, str]]) -> None:
+    def on_done(
+        self, error: str | None, writes: list[tuple[str, str]], call: tuple[int, int, int] | None
+    ) -> None:
         if error is not None and len(error) > MAX_ERROR_TEXT_CHARS:
             error = (
                 error[:MAX_ERROR_TEXT_CHARS]
                 + f"\n… (error text cut: {len(error)} characters in all)"
             )
         if self._state is _State.RUNNING:
+            if error is not None and call is not None and 0 <= call[0] < len(self._tools):
+                identifier = normalize_identifier(self._tools[call[0]].name)
+                self._failed_call = ToolCallSite(identifier, call[1], call[2])
             self._state = _State.FINISHING
             _spawn(self._finish(error, writes, natural=True))
 

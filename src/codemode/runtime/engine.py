@@ -18,7 +18,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Final, Literal, Protocol
+from typing import Annotated, Any, Final, Literal, Protocol
 
 import msgspec
 
@@ -78,7 +78,9 @@ class CellEvents(Protocol):
     def on_call(self, call_id: str, tool: int, input_json: str | None) -> None: ...
     def on_notify(self, text: str) -> None: ...
     def on_yield(self, turn: int) -> None: ...
-    def on_done(self, error: str | None, writes: list[tuple[str, str]]) -> None: ...
+    def on_done(
+        self, error: str | None, writes: list[tuple[str, str]], call: tuple[int, int, int] | None
+    ) -> None: ...
     def on_exited(self, reason: str, detail: str | None) -> None: ...
 
 
@@ -129,10 +131,14 @@ class _Yield(_Message, tag="yield"):
     turn: int
 
 
+_Position = Annotated[int, msgspec.Meta(ge=1)]
+
+
 class _Done(_Message, tag="done"):
     cell: int
     error: str | None
     writes: str
+    call: tuple[int, _Position, _Position] | None = None  # tool index, line, column
 
 
 class _Exited(_Message, tag="exited"):
@@ -580,7 +586,7 @@ class NodeEngine:
                 ]
             except (msgspec.DecodeError, UnicodeDecodeError) as error:
                 raise EngineBreach(f"malformed store writes: {error}") from None
-            events.on_done(message.error, writes)
+            events.on_done(message.error, writes, message.call)
         elif isinstance(message, _Exited):
             del self._cells[message.cell]
             events.on_exited(message.reason, message.detail)

@@ -26,7 +26,10 @@
 //                                                 nested tool call; input is JSON text or null
 //   {t:'notify', cell, text}                      notify(text)
 //   {t:'yield', cell, turn:int}                   yield_control() in the cell's turn `turn`
-//   {t:'done', cell, error:str|null, writes:str}  completed; writes = JSON [[key, json text]]
+//   {t:'done', cell, error:str|null, writes:str, call?:[tool:int, line, column]}
+//                                                 completed; writes = JSON [[key, json text]];
+//                                                 `call`: where the failed tool call whose text
+//                                                 the error is was made
 //   {t:'exited', cell, reason:'stopped'|'oom'|'crashed', detail?}
 //                                                 the cell's isolate is gone (always sent, last)
 
@@ -190,12 +193,16 @@ class Cell {
         if (!live() || !Number.isSafeInteger(turn)) return;
         send({ t: 'yield', cell: cell.id, turn });
       }, ignored),
-      new ivm.Callback((error, writes) => {
+      new ivm.Callback((error, writes, tool, line, column) => {
         if (!live()) return;
         cell.finished = true;
         const text = error === null ? null : wellFormed(String(error));
-        send({ t: 'done', cell: cell.id, error: text, writes: wellFormed(writes) },
-          typeof writes === 'string' ? writes.length * 2 : 64);
+        const done = { t: 'done', cell: cell.id, error: text, writes: wellFormed(writes) };
+        if (text !== null && Number.isSafeInteger(tool) && Number.isSafeInteger(line) &&
+            Number.isSafeInteger(column) && line > 0 && column > 0) {
+          done.call = [tool, line, column];
+        }
+        send(done, typeof writes === 'string' ? writes.length * 2 : 64);
         cell.exit('stopped');
       }, ignored),
       new ivm.Callback((id, ms) => {

@@ -37,6 +37,8 @@
   const codePointAt = uncurry(StringOf.prototype.codePointAt);
   const toWellFormed = uncurry(StringOf.prototype.toWellFormed);
   const promiseThen = uncurry(PromiseCtor.prototype.then);
+  const ErrorCtor = Error;
+  const reExec = (re, s) => RegExp.prototype.exec.call(re, s);
 
   for (const name of ['console', 'Atomics', 'SharedArrayBuffer', 'WebAssembly']) {
     delete g[name];
@@ -103,7 +105,7 @@
   let finished = false;
   const stored = new MapCtor(); // key -> JSON text (snapshot + own writes)
   const written = new MapCtor(); // key -> JSON text (own writes, committed on completion)
-  const pendingCalls = new MapCtor(); // runtime tool call id -> [resolve, reject]
+  const pendingCalls = new MapCtor(); // runtime tool call id -> [resolve, reject, site, tool index]
   const timers = new MapCtor(); // timer id -> callback
   let nextCall = 1;
   let nextTimer = 1;
@@ -138,7 +140,7 @@
   }
 
   // Ends the cell now as a natural completion; nothing of the cell runs afterwards.
-  function finish(errorTextOrNull) {
+  function finish(errorTextOrNull, site) {
     if (finished) return;
     finished = true;
     let writes;
@@ -147,7 +149,46 @@
     } catch (error) {
       writes = '[]';
     }
-    hostFinish(errorTextOrNull === null ? null : toWellFormed(StringOf(errorTextOrNull)), writes);
+    const text = errorTextOrNull === null ? null : toWellFormed(StringOf(errorTextOrNull));
+    if (site === null || site === undefined) hostFinish(text, writes);
+    else hostFinish(text, writes, site[0], site[1], site[2]);
+  }
+
+  // -- where a failed tool call was made ---------------------------------------------------------
+  // A tool failure rejects with a plain string (§4.2), which carries no position. So each call
+  // keeps an Error made where the cell called the tool (its stack is formatted only if the call
+  // fails), and a cell that ends with exactly the text of a failed call reports that call's site
+  // beside its error text. Keyed by text: a string has no identity to key by.
+  const FAILURES_KEPT = 64;
+  const CELL_POSITION = /exec_main\.mjs:(\d+):(\d+)/;
+  let failures = null; // error text -> [tool index, site Error], the latest failure last
+
+  function recordFailure(text, pending) {
+    if (failures === null) failures = new MapCtor();
+    mapDelete(failures, text);
+    if (failures.size >= FAILURES_KEPT) mapDelete(failures, iteratorNext(mapEntries(failures)).value[0]);
+    mapSet(failures, text, [pending[3], pending[2]]);
+  }
+
+  // [tool index, line, column] of the failed call whose text `error` is, or null.
+  function failedCallSite(error) {
+    if (typeof error !== 'string' || failures === null) return null;
+    const failure = mapGet(failures, error);
+    if (failure === undefined) return null;
+    try {
+      const stack = failure[1].stack; // may run the cell's own Error.prepareStackTrace
+      if (typeof stack !== 'string') return null;
+      const match = reExec(CELL_POSITION, stack);
+      return match === null ? null : [failure[0], NumberOf(match[1]), NumberOf(match[2])];
+    } catch (ignored) {
+      return null;
+    }
+  }
+
+  function fail(error) {
+    if (error === EXIT) return;
+    const site = failedCallSite(error);
+    finish(errorText(error), site);
   }
 
   // -- output helpers (§5) -----------------------------------------------------------------------
@@ -459,9 +500,10 @@
         return PromiseCtor.reject('too many pending tool calls in this cell (limit ' + MAX_PENDING_CALLS + ')');
       }
       const id = 'tool-' + nextCall++;
+      const site = new ErrorCtor();
       return new PromiseCtor((resolve, reject) => {
         if (finished) return;
-        mapSet(pendingCalls, id, [resolve, reject]);
+        mapSet(pendingCalls, id, [resolve, reject, site, index]);
         hostCall(id, index, input === undefined ? null : toWellFormed(input));
       });
     };
@@ -518,9 +560,7 @@
       finish(errorText(error));
       return;
     }
-    promiseThen(promiseThen(resolved, cell), () => finish(null), (error) => {
-      if (error !== EXIT) finish(errorText(error));
-    });
+    promiseThen(promiseThen(resolved, cell), () => finish(null), fail);
   }
 
   // resultsJson: [[runtime tool call id, ok, value or error text], ...]
@@ -532,8 +572,13 @@
       const pending = mapGet(pendingCalls, id);
       if (pending === undefined) continue;
       mapDelete(pendingCalls, id);
-      if (ok) pending[0](value);
-      else pending[1](StringOf(value));
+      if (ok) {
+        pending[0](value);
+      } else {
+        const text = StringOf(value);
+        recordFailure(text, pending);
+        pending[1](text);
+      }
     }
   }
 
@@ -545,9 +590,7 @@
     const call = () => {
       apply(callback, undefined, []);
     };
-    promiseThen(promiseThen(resolved, call), undefined, (error) => {
-      if (error !== EXIT) finish(errorText(error));
-    });
+    promiseThen(promiseThen(resolved, call), undefined, fail);
   }
 
   return function entry(kind, a) {
