@@ -196,6 +196,32 @@ def test_a_tool_file_function_is_declared_by_its_hints(tmp_path: Path) -> None:
     )
 
 
+def test_run_describe_prints_what_the_model_is_told_about_the_tools(tmp_path: Path) -> None:
+    tools = tmp_path / "tools.py"
+    tools.write_text("def add(a: int, b: int) -> int:\n    'Add.'\n    return a + b\n")
+    result = codemode("run", "--describe", "--tools", str(tools))
+    assert result.returncode == 0, result.stderr
+    assert b"add(args: { a: number; b: number; }): Promise<number>;" in result.stdout
+    assert b"yield_control()" in result.stdout  # the whole exec description, helpers included
+
+
+def test_run_without_a_file_is_a_usage_error() -> None:
+    result = codemode("run")
+    assert result.returncode == 2
+    assert b"run needs FILE" in result.stderr
+
+
+def test_an_uncaught_tool_failure_shows_the_line_that_called_it(tmp_path: Path) -> None:
+    tools = tmp_path / "tools.py"
+    tools.write_text("def fail() -> None:\n    raise RuntimeError('nope')\n")
+    source = b"// @exec: {}\ntext(1);\nawait tools.fail({});\n"
+    result = codemode("run", "-", "--tools", str(tools), stdin=source)
+    assert result.returncode == 1
+    assert result.stdout.endswith(
+        b"Script error:\ntool `fail` failed: RuntimeError: nope\n    at tools.fail (exec_main.mjs:3:13)\n"
+    )
+
+
 def test_a_tool_file_function_that_cannot_be_a_tool_is_named(tmp_path: Path) -> None:
     tools = tmp_path / "tools.py"
     tools.write_text("def spread(*values: int) -> int:\n    return 0\n")

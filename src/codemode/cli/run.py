@@ -12,6 +12,7 @@ from pathlib import Path
 
 from codemode.cli.common import engine_arguments, local_provider, non_negative
 from codemode.errors import CodeModeError
+from codemode.model.exec_tool import build_exec_description
 from codemode.model.positions import in_source_lines
 from codemode.model.registry import ToolRegistry
 from codemode.model.render import render_response
@@ -99,6 +100,11 @@ async def _start_mcp_servers(
 
 
 async def _run(args: argparse.Namespace) -> int:
+    if args.describe:
+        return await _describe(args)
+    if args.file is None:
+        print("codemode: run needs FILE (or - for stdin), or --describe", file=sys.stderr)
+        return 2
     if args.file == "-":
         source = sys.stdin.read()
     else:
@@ -127,6 +133,28 @@ async def _run(args: argparse.Namespace) -> int:
             print(f"codemode: {error}", file=sys.stderr)
             return 2
         return await _run_cell(args, parsed, registry)
+
+
+async def _describe(args: argparse.Namespace) -> int:
+    try:
+        registry = load_tool_file(args.tools) if args.tools else ToolRegistry()
+    except CodeModeError as error:
+        print(f"codemode: {error}", file=sys.stderr)
+        return 2
+    async with contextlib.AsyncExitStack() as servers:
+        try:
+            await _start_mcp_servers(servers, registry, args.mcp or [])
+        except CodeModeError as error:
+            print(f"codemode: {error}", file=sys.stderr)
+            return 2
+        description = build_exec_description(
+            registry.definitions(),
+            code_mode_only=True,
+            namespace_descriptions=registry.namespace_descriptions(),
+            console=args.console,
+        )
+    print(description)
+    return 0
 
 
 async def _run_cell(
@@ -204,9 +232,12 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "would: a first-line `// @exec: {...}` pragma is honoured, the cell can call the tools "
         "of --tools and --mcp, and a cell that yields is waited on until it completes. Prints what the "
         "model would see; --json prints the final RuntimeResponse (all items of the run) as one "
-        "line of V1 wire JSON. Exit status: 0 completed, 1 script error, 2 usage error.",
+        "line of V1 wire JSON; --describe prints the exec tool's description instead. Exit status: "
+        "0 completed, 1 script error, 2 usage error.",
     )
-    run.add_argument("file", metavar="FILE", help="JavaScript source file, or - for stdin")
+    run.add_argument(
+        "file", nargs="?", metavar="FILE", help="JavaScript source file, or - for stdin"
+    )
     run.add_argument(
         "--tools",
         metavar="PATH.py",
@@ -228,5 +259,11 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--max-output-tokens", type=non_negative, metavar="N", help="output budget per observation"
     )
     run.add_argument("--json", action="store_true", help="print the final response as wire JSON")
+    run.add_argument(
+        "--describe",
+        action="store_true",
+        help="print the exec tool description the model would get for these tools (each "
+        "declared in TypeScript) instead of running a cell",
+    )
     engine_arguments(run)
     run.set_defaults(handler=_run_command)
