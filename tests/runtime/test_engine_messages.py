@@ -20,11 +20,9 @@ from codemode.protocol import (
     InputText,
     Result,
 )
-from codemode.runtime import LocalSessionProvider, NodeEngine
+from codemode.runtime import LocalSession, LocalSessionProvider, NodeEngine
 from codemode.runtime.engine import MAX_ENGINE_FRAME_BYTES, _EngineOutput, _HostProtocol
-from codemode.session import (
-    CodeModeSessionDelegate,
-)
+from codemode.session import CodeModeSessionDelegate, StartedCell
 from tests.contract.delegate import FIXTURE_TOOLS, RecordingDelegate
 from tests.wire import frame
 
@@ -152,20 +150,28 @@ async def test_what_the_engine_wrote_before_it_exited_is_dispatched_before_its_e
     assert output.is_closing()
 
 
+async def parked_cell(
+    provider: LocalSessionProvider, delegate: RecordingDelegate
+) -> tuple[LocalSession, StartedCell, NodeEngine, int]:
+    """A session with one cell waiting forever: the session, the cell, its engine and key."""
+    session = await provider.create_session(delegate)
+    started = await session.execute(
+        ExecuteRequest(
+            tool_call_id="c",
+            source="await new Promise(() => {})",
+            enabled_tools=list(FIXTURE_TOOLS),
+            yield_time_ms=60_000,
+        )
+    )
+    engine = session.engine
+    assert engine is not None
+    return session, started, engine, next(iter(engine._cells))
+
+
 async def test_a_forged_call_to_a_tool_the_cell_does_not_have_is_refused() -> None:
     async with LocalSessionProvider() as provider:
         delegate = RecordingDelegate()
-        session = await provider.create_session(delegate)
-        started = await session.execute(
-            ExecuteRequest(
-                tool_call_id="c",
-                source="await new Promise(() => {})",
-                enabled_tools=list(FIXTURE_TOOLS),
-                yield_time_ms=60_000,
-            )
-        )
-        engine = session.engine
-        assert engine is not None
+        session, started, engine, key = await parked_cell(provider, delegate)
         answers: list[tuple[str, bool, Any]] = []
         real = engine.send_result
 
@@ -173,7 +179,6 @@ async def test_a_forged_call_to_a_tool_the_cell_does_not_have_is_refused() -> No
             answers.append((call_id, ok, value))
 
         engine.send_result = record  # type: ignore[method-assign]
-        key = next(iter(engine._cells))
         forged = [
             {"t": "call", "cell": key, "id": "x1", "tool": 99, "input": None},
             {"t": "call", "cell": key, "id": "x2", "tool": -1, "input": None},
@@ -192,18 +197,7 @@ async def test_a_forged_call_to_a_tool_the_cell_does_not_have_is_refused() -> No
 
 async def test_a_forged_call_site_naming_no_tool_of_the_cell_is_dropped() -> None:
     async with LocalSessionProvider() as provider:
-        session = await provider.create_session(RecordingDelegate())
-        started = await session.execute(
-            ExecuteRequest(
-                tool_call_id="c",
-                source="await new Promise(() => {})",
-                enabled_tools=list(FIXTURE_TOOLS),
-                yield_time_ms=60_000,
-            )
-        )
-        engine = session.engine
-        assert engine is not None
-        key = next(iter(engine._cells))
+        _, started, engine, key = await parked_cell(provider, RecordingDelegate())
         forged = [{"t": "done", "cell": key, "error": "boom", "writes": "[]", "call": [99, 1, 1]}]
         _EngineOutput(engine).data_received(frame(json.dumps(forged).encode()))
         result = await asyncio.wait_for(started.initial_response(), 10)

@@ -14,7 +14,7 @@ from codemode.cli.common import engine_arguments, local_provider, non_negative
 from codemode.errors import CodeModeError
 from codemode.model.exec_tool import build_exec_description
 from codemode.model.positions import in_source_lines
-from codemode.model.registry import ToolRegistry
+from codemode.model.registry import NotifyCallback, ToolRegistry
 from codemode.model.render import render_response
 from codemode.model.toolfile import load_tool_file
 from codemode.protocol import (
@@ -119,33 +119,20 @@ async def _run(args: argparse.Namespace) -> int:
 
     try:
         parsed = parse_exec_source(source)
-        if args.tools:
-            registry = load_tool_file(args.tools, on_notify=show_notification)
-        else:
-            registry = ToolRegistry(on_notify=show_notification)
     except CodeModeError as error:
         print(f"codemode: {error}", file=sys.stderr)
         return 2
     async with contextlib.AsyncExitStack() as servers:
-        try:
-            await _start_mcp_servers(servers, registry, args.mcp or [])
-        except CodeModeError as error:
-            print(f"codemode: {error}", file=sys.stderr)
+        registry = await _tools(servers, args, show_notification)
+        if registry is None:
             return 2
         return await _run_cell(args, parsed, registry)
 
 
 async def _describe(args: argparse.Namespace) -> int:
-    try:
-        registry = load_tool_file(args.tools) if args.tools else ToolRegistry()
-    except CodeModeError as error:
-        print(f"codemode: {error}", file=sys.stderr)
-        return 2
     async with contextlib.AsyncExitStack() as servers:
-        try:
-            await _start_mcp_servers(servers, registry, args.mcp or [])
-        except CodeModeError as error:
-            print(f"codemode: {error}", file=sys.stderr)
+        registry = await _tools(servers, args)
+        if registry is None:
             return 2
         description = build_exec_description(
             registry.definitions(),
@@ -155,6 +142,24 @@ async def _describe(args: argparse.Namespace) -> int:
         )
     print(description)
     return 0
+
+
+async def _tools(
+    servers: contextlib.AsyncExitStack,
+    args: argparse.Namespace,
+    on_notify: NotifyCallback | None = None,
+) -> ToolRegistry | None:
+    """The tools of --tools and --mcp (servers started on ``servers``); None: a usage error."""
+    try:
+        if args.tools:
+            registry = load_tool_file(args.tools, on_notify=on_notify)
+        else:
+            registry = ToolRegistry(on_notify=on_notify)
+        await _start_mcp_servers(servers, registry, args.mcp or [])
+    except CodeModeError as error:
+        print(f"codemode: {error}", file=sys.stderr)
+        return None
+    return registry
 
 
 async def _run_cell(
