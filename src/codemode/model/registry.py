@@ -11,7 +11,6 @@ import asyncio
 import copy
 import inspect
 import logging
-import threading
 import time
 import typing
 import uuid
@@ -25,6 +24,7 @@ from codemode.errors import CodeModeError
 from codemode.model import pydantic_types, tracing
 from codemode.model.exec_tool import NamespaceDescription
 from codemode.model.tracing import CellSpans
+from codemode.model.worker_pool import shared_pool
 from codemode.protocol.constants import PUBLIC_TOOL_NAME, WAIT_TOOL_NAME
 from codemode.protocol.types import (
     JSON,
@@ -59,6 +59,7 @@ R = TypeVar("R")
 NotifyCallback = Callable[[str, CellId, str], Awaitable[None] | None]
 
 _EXEC_ITSELF: Final = "exec cannot invoke itself"
+_JSON_TYPES: Final = frozenset({dict, list, str, int, float, bool, type(None)})
 _MUTABLE_DEFAULTS: Final = (list, dict, set, bytearray)
 
 
@@ -268,6 +269,7 @@ class Tool(Generic[P, R]):
         "_context_parameter",
         "_extra_keys",
         "_positional",
+        "_unwrap",
         "_whole_arguments",
         "definition",
         "function",
@@ -290,6 +292,7 @@ class Tool(Generic[P, R]):
         self.is_async = inspect.iscoroutinefunction(function)
         self.inline = inline
         self._whole_arguments = False
+        self._unwrap = False  # whether some parameter is validated by pydantic (wrapped)
         tool_name = ToolName(name or function.__name__, namespace)
         flat = _checked_flat_name(tool_name)
         try:
@@ -316,6 +319,10 @@ class Tool(Generic[P, R]):
                 raise _no_schema(
                     flat, f"parameter `{parameter.name}`:", annotation, error
                 ) from None
+            if isinstance(annotation, type) and issubclass(
+                annotation, pydantic_types.PydanticValue
+            ):
+                self._unwrap = True
             if parameter.kind is parameter.VAR_KEYWORD:
                 self._extra_keys = dict[str, annotation]  # type: ignore[valid-type]
                 continue
@@ -392,6 +399,7 @@ class Tool(Generic[P, R]):
         item.is_async = _is_async(call)
         item.inline = inline
         item._whole_arguments = True
+        item._unwrap = False
         item._args_type = None
         item._extra_keys = None
         item._positional = ()
@@ -412,23 +420,26 @@ class Tool(Generic[P, R]):
     def __repr__(self) -> str:
         return f"Tool({self.definition.name!r})"
 
-    def _bind(self, arguments: JSON, context: ToolContext) -> tuple[list[Any], dict[str, Any]]:
+    def _bind(
+        self, arguments: JSON, context: ToolContext | None
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Validate ``arguments`` against the type hints and split them for the call."""
         name = self.definition.name
         if self._whole_arguments:
             context_only = (
                 {} if self._context_parameter is None else {self._context_parameter: context}
             )
-            return [arguments], context_only
+            return (arguments,), context_only
         if self._args_type is None:
             values: dict[str, Any] = {self._freeform_parameter(): arguments}
         else:
             hook = pydantic_types.dec_hook
             try:
                 converted = msgspec.convert(arguments, self._args_type, dec_hook=hook)
-                fields = converted.__struct_fields__
+                values = msgspec.structs.asdict(converted)
                 unwrap = pydantic_types.unwrap
-                values = {field: unwrap(getattr(converted, field)) for field in fields}
+                if self._unwrap:
+                    values = {key: unwrap(value) for key, value in values.items()}
                 if self._extra_keys is not None:
                     extra = {k: v for k, v in arguments.items() if k not in values}
                     extra = msgspec.convert(extra, self._extra_keys, dec_hook=hook)
@@ -437,16 +448,17 @@ class Tool(Generic[P, R]):
                 raise CodeModeError(f"invalid arguments for tool `{name}`: {error}") from None
         if self._context_parameter is not None:
             values[self._context_parameter] = context
-        args = [values.pop(parameter) for parameter in self._positional]
-        return args, values
+        if not self._positional:
+            return (), values
+        return tuple([values.pop(parameter) for parameter in self._positional]), values
 
     def _freeform_parameter(self) -> str:
         parameters = inspect.signature(self.function).parameters
         return next(name for name in parameters if name != self._context_parameter)
 
-    async def invoke(self, arguments: JSON, context: ToolContext) -> JSON:
+    async def invoke(self, arguments: JSON, context: ToolContext | None) -> JSON:
         """Validate, run (sync functions in a worker thread, unless ``inline``) and return the
-        JSON result."""
+        JSON result. ``context`` goes to a parameter annotated :class:`ToolContext`."""
         args, kwargs = self._bind(arguments, context)
         function: Callable[..., Any] = self.function
         try:
@@ -455,19 +467,26 @@ class Tool(Generic[P, R]):
             elif self.inline:
                 result = function(*args, **kwargs)
             else:
-                result = await asyncio.to_thread(function, *args, **kwargs)
-            if inspect.isawaitable(result):  # a sync callable that returned a coroutine
+                result = await shared_pool().submit(function, args, kwargs)
+            # A sync callable may return a coroutine; JSON values are never awaitable.
+            if type(result) not in _JSON_TYPES and inspect.isawaitable(result):
                 result = await result
-        except CodeModeError:
-            raise
-        except asyncio.CancelledError:
+        except (CodeModeError, asyncio.CancelledError):
             raise
         except Exception as error:
-            # The cell sees one line; whoever runs the agent needs the traceback.
-            tools_logger.error("tool `%s` failed", self.definition.name, exc_info=error)
-            raise CodeModeError(
-                f"tool `{self.definition.name}` failed: {type(error).__name__}: {error}"
-            ) from error
+            raise self._failure(error) from error
+        return self._json(result)
+
+    def _failure(self, error: Exception) -> CodeModeError:
+        """What the cell sees of the tool's exception (one line); the traceback is logged."""
+        # Whoever runs the agent needs the traceback.
+        tools_logger.error("tool `%s` failed", self.definition.name, exc_info=error)
+        return CodeModeError(
+            f"tool `{self.definition.name}` failed: {type(error).__name__}: {error}"
+        )
+
+    def _json(self, result: object) -> JSON:
+        """The tool's result as JSON (models and structs converted)."""
         try:
             return msgspec.to_builtins(result, enc_hook=pydantic_types.enc_hook)
         except (TypeError, ValueError) as error:
@@ -565,8 +584,10 @@ class ToolRegistry(CodeModeSessionDelegate):
     """Registered tools, published as definitions and served as the session's delegate.
 
     Every registered tool is enabled for every cell; a call for anything else is rejected. Sync
-    tools run in worker threads; a cancelled call cancels an async tool's task (a sync tool's
-    thread cannot be interrupted, so its result is simply dropped).
+    tools run in worker threads (:mod:`codemode.model.worker_pool`: handed over in batches,
+    more threads only for calls that wait behind a blocked one); a cancelled call cancels an
+    async tool's task (a sync tool's thread cannot be interrupted, so its result is simply
+    dropped).
 
     ``before_call`` runs before every nested call and may let it run, :class:`Deny` it with a
     text the cell sees, or :class:`Rewrite` its arguments. ``timeout`` (seconds) bounds every
@@ -583,7 +604,7 @@ class ToolRegistry(CodeModeSessionDelegate):
         timeout: float | None = None,
     ) -> None:
         self._tools: dict[ToolName, Tool[..., Any]] = {}
-        self._timeouts: dict[ToolName, float | None] = {}
+        self._entries: dict[ToolName, _Entry] = {}
         self._namespaces: dict[str, NamespaceDescription] = {}
         self._on_notify = on_notify
         self._before_call = before_call
@@ -600,7 +621,9 @@ class ToolRegistry(CodeModeSessionDelegate):
         if key in self._tools:
             raise ValueError(f"tool `{item.definition.name}` is already registered")
         self._tools[key] = item
-        self._timeouts[key] = _checked_timeout(timeout) or self._timeout
+        self._entries[key] = _Entry(
+            item, _checked_timeout(timeout) or self._timeout, self._before_call is None
+        )
         return item
 
     @overload
@@ -669,62 +692,126 @@ class ToolRegistry(CodeModeSessionDelegate):
         """The tool registered under ``tool_name``, if any."""
         return self._tools.get(tool_name)
 
-    def _arguments(self, item: Tool[..., Any], invocation: CodeModeNestedToolCall) -> JSON:
+    @staticmethod
+    def _arguments(item: Tool[..., Any], invocation: CodeModeNestedToolCall) -> JSON:
         """Apply the §4.4 input rules; the rejection texts are exact."""
-        name = item.definition.name
         payload = invocation.input
         if item.definition.kind is CodeModeToolKind.FREEFORM:
             if not isinstance(payload, str):
-                raise CodeModeError(f"tool `{name}` expects a string input")
+                raise CodeModeError(f"tool `{item.definition.name}` expects a string input")
+            return payload
+        if type(payload) is dict:
             return payload
         if payload is None:
             return {}
         if not isinstance(payload, dict):
-            raise CodeModeError(f"tool `{name}` expects a JSON object for arguments")
+            raise CodeModeError(
+                f"tool `{item.definition.name}` expects a JSON object for arguments"
+            )
         return payload
 
     async def invoke_tool(
         self, invocation: CodeModeNestedToolCall, cancellation: CancellationToken
     ) -> JSON:
         """Dispatch one nested call; failures reject the JavaScript promise with their text."""
-        requested = invocation.tool_name
-        if requested.namespace is None and requested.name == PUBLIC_TOOL_NAME:
-            raise CodeModeError(_EXEC_ITSELF)
-        item = self._tools.get(requested)
-        if item is None:
+        entry = self._entries.get(invocation.tool_name)
+        if entry is None:
+            requested = invocation.tool_name
+            if requested.namespace is None and requested.name == PUBLIC_TOOL_NAME:
+                raise CodeModeError(_EXEC_ITSELF)
             raise CodeModeError(f"tool `{flat_tool_name(requested)}` is not enabled in exec")
+        item = entry.tool
         arguments = self._arguments(item, invocation)
+        if not entry.plain or tools_logger.isEnabledFor(logging.DEBUG) or tracing.enabled():
+            return await self._full_call(entry, arguments, invocation, cancellation)
+        # No hook, no timeout, no record, no span: what `_cancellable` and `Tool.invoke` do, in
+        # this one coroutine. Every object a waiting call keeps alive costs garbage-collector
+        # time in a burst of a thousand calls: no coroutine per layer, a context only for a
+        # tool that takes one.
+        context = None
+        if item._context_parameter is not None:
+            context = ToolContext(
+                cell_id=invocation.cell_id,
+                runtime_tool_call_id=invocation.runtime_tool_call_id,
+                cancellation=cancellation,
+            )
+        if cancellation.is_cancelled():
+            raise CodeModeError(entry.cancelled)
+        task = asyncio.current_task()
+        if task is None:  # not in a task: _cancellable makes one
+            return await _cancellable(
+                item.invoke(arguments, context), cancellation, entry.cancelled
+            )
+        args, kwargs = item._bind(arguments, context)
+        function: Callable[..., Any] = item.function
+        # The token cancels this task while the call waits; an inline function runs to its end
+        # in this step, where there is nothing to cancel.
+        guard = None
+        try:
+            if item.inline and not item.is_async:
+                result = function(*args, **kwargs)
+            else:
+                guard = _TaskCanceller(task)
+                cancellation.add_callback(guard)
+                if item.is_async:
+                    result = await function(*args, **kwargs)
+                else:
+                    result = await shared_pool().submit(function, args, kwargs)
+            if type(result) not in _JSON_TYPES and inspect.isawaitable(result):
+                if guard is None:
+                    guard = _TaskCanceller(task)
+                    cancellation.add_callback(guard)
+                result = await result
+        except CodeModeError:
+            raise
+        except asyncio.CancelledError:
+            if guard is not None and guard.fired and task.cancelling() == 1:  # see _cancellable
+                task.uncancel()
+                raise CodeModeError(entry.cancelled) from None
+            raise
+        except Exception as error:
+            raise item._failure(error) from error
+        finally:
+            if guard is not None:
+                guard.task = None
+        return item._json(result)
+
+    async def _full_call(
+        self,
+        entry: _Entry,
+        arguments: JSON,
+        invocation: CodeModeNestedToolCall,
+        cancellation: CancellationToken,
+    ) -> JSON:
+        """A call with a hook, a timeout, a DEBUG record or a span."""
         context = ToolContext(
             cell_id=invocation.cell_id,
             runtime_tool_call_id=invocation.runtime_tool_call_id,
             cancellation=cancellation,
         )
         if tracing.enabled():
-            with self.cell_spans.tool_call(invocation.cell_id, item.definition.name):
-                return await self._logged(item, arguments, context, invocation)
-        return await self._logged(item, arguments, context, invocation)
+            with self.cell_spans.tool_call(invocation.cell_id, entry.tool.definition.name):
+                return await self._logged(entry, arguments, context, invocation)
+        return await self._logged(entry, arguments, context, invocation)
 
     async def _logged(
         self,
-        item: Tool[..., Any],
+        entry: _Entry,
         arguments: JSON,
         context: ToolContext,
         invocation: CodeModeNestedToolCall,
     ) -> JSON:
         cancellation = context.cancellation
+        item = entry.tool
         if not tools_logger.isEnabledFor(logging.DEBUG):
             return await _cancellable(
-                self._call(item, arguments, context),
-                cancellation,
-                f"tool `{item.definition.name}` was cancelled",
+                self._call(entry, arguments, context), cancellation, entry.cancelled
             )
         began = time.monotonic()
         outcome = "failed"
         try:
             result = await _cancellable(
-                self._call(item, arguments, context),
-                cancellation,
-                f"tool `{item.definition.name}` was cancelled",
+                self._call(entry, arguments, context), cancellation, entry.cancelled
             )
             outcome = "ok"
             return result
@@ -738,8 +825,9 @@ class ToolRegistry(CodeModeSessionDelegate):
                 "cancelled" if cancellation.is_cancelled() else outcome,
             )
 
-    async def _call(self, item: Tool[..., Any], arguments: JSON, context: ToolContext) -> JSON:
+    async def _call(self, entry: _Entry, arguments: JSON, context: ToolContext) -> JSON:
         """The hook, then the tool within its timeout."""
+        item = entry.tool
         name = item.definition.name
         if self._before_call is not None:
             decision = self._before_call(NestedCall(item, arguments, context))
@@ -754,7 +842,7 @@ class ToolRegistry(CodeModeSessionDelegate):
                 raise TypeError(
                     f"before_call returned {decision!r}: expected Deny, Rewrite or None"
                 )
-        timeout = self._timeouts.get(item.definition.tool_name)
+        timeout = entry.timeout
         if timeout is None:
             return await item.invoke(arguments, context)
         try:
@@ -813,38 +901,58 @@ async def _cancellable(
     task = asyncio.current_task()
     if task is None:  # not in a task (a caller driving the coroutine by hand): make one
         return await _cancellable(asyncio.ensure_future(work), cancellation, cancelled_message)
-    loop = asyncio.get_running_loop()
-    loop_thread = threading.get_ident()
-    state = _CancelState()
-
-    def cancel() -> None:
-        if not state.done:
-            state.fired = True
-            task.cancel()
-
-    def cancel_task() -> None:
-        # The token may fire from another thread; a task is only cancelled on its own loop.
-        if threading.get_ident() == loop_thread:
-            cancel()
-        else:
-            loop.call_soon_threadsafe(cancel)
-
-    cancellation.add_callback(cancel_task)
+    guard = _TaskCanceller(task)
+    cancellation.add_callback(guard)
     try:
         return await work
     except asyncio.CancelledError:
         # Ours alone: the token's cancellation becomes the message; anyone else's goes on.
-        if state.fired and task.cancelling() == 1:
+        if guard.fired and task.cancelling() == 1:
             task.uncancel()
             raise CodeModeError(cancelled_message) from None
         raise
     finally:
-        state.done = True
+        guard.task = None
 
 
-class _CancelState:
-    __slots__ = ("done", "fired")
+class _TaskCanceller:
+    """The token's callback for one call: cancel the task the call runs in, while it does."""
 
-    def __init__(self) -> None:
-        self.done = False
+    __slots__ = ("fired", "task")
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task: asyncio.Task[Any] | None = task
         self.fired = False
+
+    def __call__(self) -> None:
+        task = self.task
+        if task is None:
+            return
+        loop = task.get_loop()
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        # The token may fire from another thread; a task is only cancelled on its own loop.
+        if running is loop:
+            self._cancel()
+        else:
+            loop.call_soon_threadsafe(self._cancel)
+
+    def _cancel(self) -> None:
+        if self.task is not None:  # the call may have ended since the token fired
+            self.fired = True
+            self.task.cancel()
+
+
+class _Entry:
+    """A registered tool with what its calls need: its timeout, whether it has a hook or a
+    timeout (``plain``: neither), and its cancelled text, made once."""
+
+    __slots__ = ("cancelled", "plain", "timeout", "tool")
+
+    def __init__(self, tool: Tool[..., Any], timeout: float | None, no_hook: bool) -> None:
+        self.tool = tool
+        self.timeout = timeout
+        self.plain = no_hook and timeout is None
+        self.cancelled = f"tool `{tool.definition.name}` was cancelled"
