@@ -334,6 +334,10 @@ class NodeEngine:
         command = [
             node,
             "--disable-warning=SecurityWarning",
+            # Functions are compiled with their script: the prelude's code cache (host.js) then
+            # holds all of its bytecode, not its top level only, so a cell's isolate does not
+            # compile the prelude's functions again (≈0.2 ms of every cell; decision 0013).
+            "--no-lazy",
             *confinement.node_flags(read_paths),
             str(JS_DIR / "host.js"),
             str(addon),
@@ -374,7 +378,8 @@ class NodeEngine:
         self._gone.clear()
         reader = self._reader = _EngineOutput(self)
         output, _ = await loop.connect_read_pipe(lambda: reader, os.fdopen(parent_in, "rb", 0))
-        output.max_size = READ_CHUNK  # type: ignore[attr-defined]
+        if hasattr(output, "max_size"):  # asyncio's pipe transport; uvloop has no such knob
+            output.max_size = READ_CHUNK
         self._output = output
         stdin, _ = await loop.connect_write_pipe(
             asyncio.BaseProtocol, os.fdopen(parent_out, "wb", 0)

@@ -1,0 +1,100 @@
+"""The engine's work between cells (decision 0013): the spare isolate, the prelude's code cache,
+the completed cell's isolate disposed a turn later. None of it may weaken what a cell gets: a
+fresh isolate each, a working prelude, stoppable runaways, heap limits."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from codemode.protocol import (
+    CodeModeSessionCellExecutionLimits,
+    ExecuteRequest,
+    InputText,
+    Result,
+    Terminated,
+)
+from codemode.runtime import LocalSession, LocalSessionProvider
+from codemode.session import CodeModeSessionDelegate
+
+
+@pytest.fixture
+async def provider() -> AsyncIterator[LocalSessionProvider]:
+    async with LocalSessionProvider() as instance:
+        yield instance
+
+
+async def run(session: LocalSession, source: str) -> Result:
+    started = await session.execute(ExecuteRequest(tool_call_id="c", source=source))
+    response = await started.initial_response()
+    assert isinstance(response, Result)
+    return response
+
+
+async def test_cells_back_to_back_each_get_a_fresh_isolate_with_a_working_prelude(
+    provider: LocalSessionProvider,
+) -> None:
+    session = await provider.create_session(CodeModeSessionDelegate())
+    for i in range(40):
+        # Every prelude function a cell uses comes from the code cache after the first cell.
+        result = await run(
+            session,
+            f"if (typeof leaked !== 'undefined' || [].polluted) throw new Error('state of an"
+            f" earlier cell');\nglobalThis.leaked = {i}; Array.prototype.polluted = true;\n"
+            f"store('k', {i}); text(String(load('k')));",
+        )
+        assert result.error_text is None, (i, result.error_text)
+        assert result.content_items == [InputText(str(i))]
+    failed = await run(session, "function unused() { return 1 }\nnull.x;")
+    assert failed.error_text is not None
+    assert failed.error_text.startswith("TypeError: Cannot read properties of null")
+    assert "exec_main.mjs:2:" in failed.error_text
+
+
+async def test_cells_with_other_heap_limits_do_not_take_each_others_spare(
+    provider: LocalSessionProvider,
+) -> None:
+    small = await provider.create_session_with_limits(
+        CodeModeSessionDelegate(), CodeModeSessionCellExecutionLimits(max_heap_size_bytes=16 << 20)
+    )
+    large = await provider.create_session(CodeModeSessionDelegate())
+    for _ in range(3):
+        bomb = await run(small, "const a = []; for (;;) a.push(new Array(1000).fill(1));")
+        assert bomb.error_text == f"exec cell exceeded the heap limit of {16 << 20} bytes"
+        fine = await run(large, "const a = new Array(4e6).fill(1); text(String(a.length));")
+        assert fine.content_items == [InputText("4000000")]
+
+
+async def test_a_cell_that_runs_on_while_others_end_is_still_stoppable(
+    provider: LocalSessionProvider,
+) -> None:
+    session = await provider.create_session(CodeModeSessionDelegate())
+    spinning = await session.execute(ExecuteRequest(tool_call_id="s", source="for (;;) {}"))
+    for i in range(5):  # cells that end while the spinning one runs (the spare is made anew)
+        assert (await run(session, f"text('{i}')")).content_items == [InputText(str(i))]
+    await asyncio.sleep(0.05)  # past the spare timer of the spinning cell
+    outcome = await asyncio.wait_for(session.terminate(spinning.cell_id), 10)
+    assert isinstance(outcome.response, Terminated)
+    assert (await run(session, "text('after')")).content_items == [InputText("after")]
+
+
+async def test_code_a_completed_cell_left_running_cannot_outlive_it(
+    provider: LocalSessionProvider,
+) -> None:
+    session = await provider.create_session_with_limits(
+        CodeModeSessionDelegate(), CodeModeSessionCellExecutionLimits(max_heap_size_bytes=16 << 20)
+    )
+    # The cell completes; what it left queued goes on allocating (or spinning) in its isolate
+    # until the isolate is disposed (or its memory limit disposes it, which ends the engine).
+    for source in (
+        "text('done'); (async () => { for (let i = 0; i < 4; i++) await null;"
+        " const a = []; for (;;) a.push(new Array(1000).fill(1)); })();",
+        "text('done'); (async () => { for (let i = 0; i < 4; i++) await null; for (;;) {} })();",
+    ):
+        first = await asyncio.wait_for(run(session, source), 10)
+        assert first.content_items[:1] == [InputText("done")] or first.error_text is not None
+        await asyncio.sleep(0.2)
+        again = await asyncio.wait_for(run(session, "text('next')"), 10)
+        assert again.content_items == [InputText("next")]
