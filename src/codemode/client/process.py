@@ -24,7 +24,7 @@ from codemode.errors import CodeModeError
 from codemode.protocol.constants import HANDSHAKE_TIMEOUT, SHUTDOWN_TIMEOUT
 from codemode.protocol.texts import host_spawn_failed
 from codemode.protocol.v1.revision import WireRevision
-from codemode.transports.stream import StreamTransport
+from codemode.transports.stream import StreamTransport, pipe_transport
 
 __all__ = ["DEFAULT_HOST_COMMAND", "HostProcess", "ProcessOwnedCodeModeSessionProvider"]
 
@@ -80,7 +80,7 @@ class HostProcess:
         start a host that writes that shape."""
         program = command[0]
         loop = asyncio.get_running_loop()
-        # Our own pipe ends, connected straight to the loop: data reaches the reader in the
+        # Our own pipe ends, connected straight to the loop: data reaches the machine in the
         # iteration it arrives (a subprocess transport defers every chunk by one call_soon).
         child_in, parent_out = os.pipe()
         parent_in, child_out = os.pipe()
@@ -101,22 +101,18 @@ class HostProcess:
         finally:
             os.close(child_in)
             os.close(child_out)
-        reader = asyncio.StreamReader(limit=1 << 20)
-        read_pipe, _ = await loop.connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(parent_in, "rb", 0)
-        )
-        read_pipe.max_size = 1 << 16  # type: ignore[attr-defined]
         write_pipe, protocol = await loop.connect_write_pipe(
             asyncio.streams.FlowControlMixin, os.fdopen(parent_out, "wb", 0)
         )
-        writer = asyncio.StreamWriter(write_pipe, protocol, reader, loop)
-        host = cls(
-            process,
-            program,
-            StreamTransport(reader, writer),
-            writer,
-            wire_revision=wire_revision,
+        writer = asyncio.StreamWriter(write_pipe, protocol, None, loop)
+        # Reads are pushed: each chunk is decoded and dispatched in the iteration that read it
+        # (no reader task to wake). The client never stops reading for its own writes: the host
+        # pauses its reading while its writes to us back up, and two ends that both paused
+        # would wait on each other for ever.
+        transport = await pipe_transport(
+            os.fdopen(parent_in, "rb", 0), writer, pause_while_backlogged=False
         )
+        host = cls(process, program, transport, writer, wire_revision=wire_revision)
         try:
             await host.connection.handshake(timeout=handshake_timeout)
         except BaseException:

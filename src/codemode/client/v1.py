@@ -88,6 +88,7 @@ class V1ClientConnection:
         # Callback tasks by delegate id, held until they settle (the loop keeps weak references).
         self._callback_tasks: dict[int, asyncio.Task[None]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._handshake_replied: asyncio.Future[None] | None = None
         self._closer: asyncio.Task[None] | None = None
         self._dead = asyncio.Event()
         self._death_callbacks: list[Callable[[str], object]] = []
@@ -110,10 +111,14 @@ class V1ClientConnection:
             raise ValueError("a dual connection needs open_bulk to open its bulk socket")
         self._handshaken = True
         self._flush()
+        # The reader starts now: over a pushing transport the reply is dispatched as it arrives,
+        # and the HandshakeComplete (or ConnectionEnded) event resolves this future.
+        replied = self._handshake_replied = self._loop.create_future()
+        self._start_reader()
         try:
             async with asyncio.timeout(timeout):
-                while protocol.is_alive() and not protocol.handshaken:
-                    await self._read_once()
+                if protocol.is_alive() and not protocol.handshaken:
+                    await replied
         except TimeoutError:
             protocol.timed_out()
             self._flush()
@@ -139,6 +144,9 @@ class V1ClientConnection:
         """Start the reader task (after a successful :meth:`handshake`)."""
         if not self._handshaken:
             raise RuntimeError("handshake first")
+        self._start_reader()
+
+    def _start_reader(self) -> None:
         if self._reader is None and self._protocol.is_alive():
             self._reader = asyncio.create_task(self._read_loop(), name="codemode-v1-reader")
 
@@ -328,9 +336,12 @@ class V1ClientConnection:
             self._sessions.pop(event.session_id, None)
         elif isinstance(event, ev.ConnectionEnded):
             self._connection_ended(event.reason or "")
+        elif isinstance(event, ev.HandshakeComplete):
+            _resolve(self._handshake_replied, None)
 
     def _connection_ended(self, reason: str) -> None:
         self._dead.set()
+        _resolve(self._handshake_replied, None)
         reader = self._reader
         if reader is not None and reader is not asyncio.current_task():
             reader.cancel()

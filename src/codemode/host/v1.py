@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -104,6 +105,93 @@ class _HostDelegate(CodeModeSessionDelegate):
         self._served.flush()
 
 
+class _Settlement:
+    """How one callback to the client ended, as the delegate's task awaits it.
+
+    A future-like object (the ``asyncio.Future`` protocol a Task awaits) that differs in one
+    respect: resolved from a plain loop callback — the client's answer, decoded in the
+    ``data_received`` of a pushing transport — it wakes the awaiting task *at once*, so the
+    delegate returns and the runtime settles the nested call in the iteration that read the
+    answer, instead of one ``call_soon`` later. Resolved from inside a task (a pulling
+    transport's reader), it wakes the awaiting task as a future would.
+    """
+
+    __slots__ = ("_asyncio_future_blocking", "_callbacks", "_loop", "_result", "_state")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._asyncio_future_blocking = False
+        self._callbacks: list[tuple[Callable[[Any], object], contextvars.Context | None]] = []
+        self._result: CallbackResult | None = None
+        self._state = "pending"  # or "done", "cancelled"
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def done(self) -> bool:
+        return self._state != "pending"
+
+    def cancelled(self) -> bool:
+        return self._state == "cancelled"
+
+    def result(self) -> CallbackResult:
+        if self._state == "cancelled":
+            raise asyncio.CancelledError
+        if self._result is None:
+            raise asyncio.InvalidStateError("the callback has not ended")
+        return self._result
+
+    def exception(self) -> BaseException | None:
+        if self._state == "cancelled":
+            raise asyncio.CancelledError
+        return None
+
+    def add_done_callback(
+        self, callback: Callable[[Any], object], *, context: contextvars.Context | None = None
+    ) -> None:
+        if self._state != "pending":
+            self._loop.call_soon(callback, self, context=context)
+        else:
+            self._callbacks.append((callback, context))
+
+    def remove_done_callback(self, callback: Callable[[Any], object]) -> int:
+        before = len(self._callbacks)
+        self._callbacks = [entry for entry in self._callbacks if entry[0] != callback]
+        return before - len(self._callbacks)
+
+    def cancel(self, msg: object = None) -> bool:
+        if self._state != "pending":
+            return False
+        self._state = "cancelled"
+        self._schedule_callbacks()
+        return True
+
+    def set_result(self, result: CallbackResult) -> None:
+        if self._state != "pending":
+            return
+        self._state, self._result = "done", result
+        if asyncio.current_task(self._loop) is not None:
+            self._schedule_callbacks()  # a task is running: the awaiting one cannot step now
+            return
+        callbacks, self._callbacks = self._callbacks, []
+        for callback, context in callbacks:
+            if context is None:
+                callback(self)
+            else:
+                context.run(callback, self)
+
+    def _schedule_callbacks(self) -> None:
+        callbacks, self._callbacks = self._callbacks, []
+        for callback, context in callbacks:
+            self._loop.call_soon(callback, self, context=context)
+
+    def __await__(self) -> Generator[Any, None, CallbackResult]:
+        if self._state == "pending":
+            self._asyncio_future_blocking = True
+            yield self
+        return self.result()
+
+
 class _OpenFailed(Exception):
     """The session a request was for never opened."""
 
@@ -133,9 +221,10 @@ class V1HostConnection:
         self._sessions: dict[str, asyncio.Future[CodeModeSession]] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._cancellable: dict[int, asyncio.Future[Any]] = {}
-        self._callbacks: dict[int, asyncio.Future[CallbackResult]] = {}
+        self._callbacks: dict[int, _Settlement] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._closing = False
+        self._batch_pending = False
         self._pump = Pump(transport, protocol, self._apply)
         self.flush = self._pump.flush
 
@@ -333,12 +422,25 @@ class V1HostConnection:
     ) -> CallbackResult:
         """Issue one callback through the machine and await how it ended."""
         delegate_id = start(self.protocol)
-        future: asyncio.Future[CallbackResult] = asyncio.get_running_loop().create_future()
-        self._callbacks[delegate_id] = future
-        self.flush()
-        if not future.done():
+        settlement = _Settlement(asyncio.get_running_loop())
+        self._callbacks[delegate_id] = settlement
+        self._flush_callbacks()
+        if not settlement.done():
             cancellation.add_callback(lambda: self._revoke(delegate_id))
-        return await future
+        return await settlement
+
+    def _flush_callbacks(self) -> None:
+        """The first callback of a loop iteration goes out at once; those that follow in the
+        same iteration (a cell's ``Promise.all``) leave together at its end, in one write."""
+        if self._batch_pending:
+            return
+        self.flush()
+        self._batch_pending = True
+        asyncio.get_running_loop().call_soon(self._flush_batch)
+
+    def _flush_batch(self) -> None:
+        self._batch_pending = False
+        self.flush()
 
     def _revoke(self, delegate_id: int) -> None:
         self.protocol.revoke_callback(delegate_id)

@@ -8,7 +8,7 @@ failures to the machine, and hands the machine's events to its owner. It decides
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 from codemode.protocol.v1.endpoint import Endpoint
 from codemode.protocol.v1.lanes import Lane
@@ -96,7 +96,10 @@ class Pump(Generic[E]):
         protocol, transport = self.protocol, self.transport
         try:
             while True:
-                for frame, lane in protocol.data_to_send():
+                frames = protocol.data_to_send()
+                if len(frames) > 1 and not transport.whole_frames:
+                    frames = _joined(frames)  # one write instead of one per frame
+                for frame, lane in frames:
                     try:
                         transport.send(frame, lane)
                     except (TransportError, OSError) as error:
@@ -109,3 +112,27 @@ class Pump(Generic[E]):
                     self._apply(event)
         finally:
             self._flushing = False
+
+
+#: Frames queued together are written as one chunk up to this size (larger ones go alone: a
+#: copy of them would cost more than the write it saves).
+_JOIN_LIMIT: Final = 1 << 16
+
+
+def _joined(frames: list[tuple[bytes | bytearray, Lane]]) -> list[tuple[bytes | bytearray, Lane]]:
+    """Consecutive small frames of one lane as one chunk each (a byte stream carries them the
+    same way), so that what one flush queued takes one write."""
+    out: list[tuple[bytes | bytearray, Lane]] = []
+    run: list[bytes | bytearray] = []
+    size = 0
+    run_lane = Lane.CONTROL
+    for frame, lane in frames:
+        if run and (lane is not run_lane or size + len(frame) > _JOIN_LIMIT):
+            out.append((b"".join(run) if len(run) > 1 else run[0], run_lane))
+            run, size = [], 0
+        run.append(frame)
+        run_lane = lane
+        size += len(frame)
+    if run:
+        out.append((b"".join(run) if len(run) > 1 else run[0], run_lane))
+    return out
