@@ -2,14 +2,54 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import sys
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 from codemode.protocol import InputText, Result, RuntimeResponse
 
-__all__ = ["cpu_ticks", "loop_source", "only_text", "percentile", "progress", "quiesce"]
+__all__ = [
+    "cpu_ticks",
+    "loop_arguments",
+    "loop_option",
+    "loop_source",
+    "only_text",
+    "percentile",
+    "progress",
+    "quiesce",
+    "run_on_loop",
+]
+
+
+def loop_option(description: str | None) -> str:
+    """Parse the command line, ``--loop asyncio|uvloop`` (default asyncio): the loop this
+    benchmark and the hosts it starts run on (``description``: the script's docstring)."""
+    parser = argparse.ArgumentParser(description=(description or "").partition("\n")[0] or None)
+    parser.add_argument(
+        "--loop",
+        choices=("asyncio", "uvloop"),
+        default="asyncio",
+        help="the event loop of this process and of the codemode hosts it starts",
+    )
+    return str(parser.parse_args().loop)
+
+
+def run_on_loop(main: Callable[[], Coroutine[Any, Any, None]], description: str | None) -> None:
+    """Run ``main()`` on the loop ``--loop`` names, as the codemode commands do."""
+    from codemode.cli.common import run_main
+
+    run_main(main, loop_option(description))
+
+
+def loop_arguments() -> list[str]:
+    """``--loop KIND`` for a codemode host started from inside the running loop: the same
+    kind as this process's."""
+    module = type(asyncio.get_running_loop()).__module__
+    return ["--loop", "uvloop" if module.startswith("uvloop") else "asyncio"]
 
 
 def loop_source(kind: str, function: str, calls: int, rounds: int, settle_ms: int) -> str:

@@ -45,7 +45,14 @@ from functools import partial
 from pathlib import Path
 from typing import Final
 
-from benchmarks.common import loop_source, only_text, percentile, progress, quiesce
+from benchmarks.common import (
+    loop_source,
+    only_text,
+    percentile,
+    progress,
+    quiesce,
+    run_on_loop,
+)
 from codemode.model import ToolRegistry
 from codemode.protocol import (
     JSON,
@@ -813,8 +820,8 @@ async def run() -> None:
 
 
 def main() -> None:
-    """Run the benchmark and print one table."""
-    asyncio.run(run())
+    """Run the benchmark (``--loop asyncio|uvloop``) and print one table."""
+    run_on_loop(run, __doc__)
 
 
 if __name__ == "__main__":

@@ -64,8 +64,20 @@ from typing import IO, Any, Final, TypeVar
 
 from grpc import aio
 
-from benchmarks.common import loop_source, only_text, percentile, progress, quiesce
-from codemode.client import ProcessOwnedCodeModeSessionProvider, RemoteSession
+from benchmarks.common import (
+    loop_arguments,
+    loop_source,
+    only_text,
+    percentile,
+    progress,
+    quiesce,
+    run_on_loop,
+)
+from codemode.client import (
+    DEFAULT_HOST_COMMAND,
+    ProcessOwnedCodeModeSessionProvider,
+    RemoteSession,
+)
 from codemode.client.grpc import GrpcCodeModeSessionProvider
 from codemode.protocol import (
     JSON,
@@ -1004,7 +1016,13 @@ async def run() -> None:
     try:
         progress("starting the stdio and gRPC hosts, the embedded engine and the echo children")
         grpc_host, grpc_stderr, url = spawn_line(
-            sys.executable, "-m", "codemode", "host", "--listen", "grpc://127.0.0.1:0"
+            sys.executable,
+            "-m",
+            "codemode",
+            "host",
+            "--listen",
+            "grpc://127.0.0.1:0",
+            *loop_arguments(),
         )
 
         async def stop_grpc_host() -> None:
@@ -1013,7 +1031,7 @@ async def run() -> None:
         cleanup.append(stop_grpc_host)
         grpc_echo = GrpcEcho.spawn()
         cleanup.append(grpc_echo.aclose)
-        remote = ProcessOwnedCodeModeSessionProvider()
+        remote = ProcessOwnedCodeModeSessionProvider([*DEFAULT_HOST_COMMAND, *loop_arguments()])
         cleanup.append(remote.aclose)
         local = LocalSessionProvider()
         cleanup.append(local.aclose)
@@ -1051,8 +1069,8 @@ async def run() -> None:
 
 
 def main() -> None:
-    """Run the benchmark and print the tables."""
-    asyncio.run(run())
+    """Run the benchmark (``--loop asyncio|uvloop``, hosts included) and print the tables."""
+    run_on_loop(run, __doc__)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ echo's round trip on top of the embedded session; large results travel at >= 0.7
 
 from __future__ import annotations
 
-import asyncio
 import os
 import platform
 import statistics
@@ -28,7 +27,14 @@ from typing import Final
 
 from websockets.asyncio.client import connect
 
-from benchmarks.common import loop_source, only_text, percentile, progress
+from benchmarks.common import (
+    loop_arguments,
+    loop_source,
+    only_text,
+    percentile,
+    progress,
+    run_on_loop,
+)
 from benchmarks.transport import ECHO_TOOL, EchoDelegate, Served, bounded, echo_frame
 from codemode.client import RemoteSession
 from codemode.client.websocket import WebSocketCodeModeSessionProvider
@@ -144,7 +150,9 @@ def _us(seconds: float) -> str:
 
 async def run() -> None:
     began = time.perf_counter()
-    host, url = spawn_line(sys.executable, "-m", "codemode", "host", "--listen", "ws://127.0.0.1:0")
+    host, url = spawn_line(
+        sys.executable, "-m", "codemode", "host", "--listen", "ws://127.0.0.1:0", *loop_arguments()
+    )
     echo, port = spawn_line(sys.executable, "-c", ECHO_SERVER)
     echo_url = f"ws://127.0.0.1:{port}"
     providers: dict[str, WebSocketCodeModeSessionProvider | LocalSessionProvider] = {
@@ -237,8 +245,8 @@ async def run() -> None:
 
 
 def main() -> None:
-    """Run the benchmark and print one table."""
-    asyncio.run(run())
+    """Run the benchmark (``--loop asyncio|uvloop``, the host included) and print one table."""
+    run_on_loop(run, __doc__)
 
 
 if __name__ == "__main__":

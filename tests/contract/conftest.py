@@ -9,14 +9,22 @@ our client and our host both speaking the ``latest`` wire revision (decision 000
 latest release checked, in the ``latest`` revision: where upstream knowingly differs,
 ``DIVERGENCES`` names the test and the reason, and the test is a strict xfail on that carrier only
 (``docs/interop.md``).
+
+The event loop: asyncio's, except in ``UVLOOP_MODULES`` (the session tests again, embedded and over
+stdio) and, with ``CODEMODE_TEST_LOOP=uvloop`` in the environment, everywhere: then the tests run
+on uvloop. A host child runs on the loop of the test that starts it (``codemode host --loop``).
+(Run that way, a child spawned after the gRPC tests can hang before its exec, and the run with
+it: decision 0012; one whole run with ``-k "not upstream"`` passed.)
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Final, Protocol
 
 import pytest
@@ -34,6 +42,28 @@ from codemode.session import (
 )
 from tests.contract.delegate import RecordingDelegate
 from tests.upstream import DEFAULT_VERSION, LATEST_VERSION
+
+#: Test modules that always run on uvloop (skipped where it is not installed).
+UVLOOP_MODULES: Final = frozenset({"test_sessions_uvloop.py"})
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """The loop of each contract test (pytest-asyncio's hook): one factory, so no test id
+    changes."""
+    if item.path.name in UVLOOP_MODULES or os.environ.get("CODEMODE_TEST_LOOP") == "uvloop":
+        import uvloop
+
+        return {"uvloop": uvloop.new_event_loop}
+    return {"asyncio": asyncio.new_event_loop}
+
+
+def running_loop() -> str:
+    """The ``--loop`` choice naming the running loop (a host child runs on the test's own)."""
+    return (
+        "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") else "asyncio"
+    )
 
 
 class Harness(Protocol):
@@ -121,7 +151,7 @@ class StdioHarness(ProviderHarness):
 
     def command(self, store_load: bool) -> list[str]:
         """The host to spawn (skips the test where it cannot run)."""
-        command = [sys.executable, "-m", "codemode", "host", "--stdio"]
+        command = [sys.executable, "-m", "codemode", "host", "--stdio", "--loop", running_loop()]
         command += ["--wire-revision", self.wire_revision.value]
         if not store_load:
             command.append("--no-store-load")
@@ -197,23 +227,25 @@ class DualWebSocketHarness(WebSocketHarness):
     dual = True
 
 
-_LISTENING_HOSTS: dict[tuple[str, bool], tuple[subprocess.Popen[bytes], str]] = {}
+_LISTENING_HOSTS: dict[tuple[str, bool, str], tuple[subprocess.Popen[bytes], str]] = {}
 
 
 def listening_host(scheme: str, store_load: bool) -> str:
-    """The URL of the shared ``codemode host --listen SCHEME://127.0.0.1:0`` child (started on
-    first use, stopped at the end of the test run)."""
-    running = _LISTENING_HOSTS.get((scheme, store_load))
+    """The URL of the shared ``codemode host --listen SCHEME://127.0.0.1:0`` child on the
+    running loop's kind (started on first use, stopped at the end of the test run)."""
+    loop = running_loop()
+    running = _LISTENING_HOSTS.get((scheme, store_load, loop))
     if running is not None and running[0].poll() is None:
         return running[1]
     command = [sys.executable, "-m", "codemode", "host", "--listen", f"{scheme}://127.0.0.1:0"]
+    command += ["--loop", loop]
     if not store_load:
         command.append("--no-store-load")
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert process.stdout is not None
     url = process.stdout.readline().decode().strip()
     assert url.startswith(f"{scheme}://127.0.0.1:"), url
-    _LISTENING_HOSTS[scheme, store_load] = (process, url)
+    _LISTENING_HOSTS[scheme, store_load, loop] = (process, url)
     return url
 
 
@@ -363,6 +395,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = kept
+    # The uvloop tests run first, before any test starts grpc.aio's poller thread: uvloop runs
+    # CPython's after-fork hooks in every child it spawns, and there a grpc.aio completion queue
+    # freed by them can wait for ever on the poller thread the child does not have (seen once in
+    # a whole contract run on uvloop), blocking the spawning process too.
+    items.sort(key=lambda item: item.path.name not in UVLOOP_MODULES)
     for item in items:
         callspec = getattr(item, "callspec", None)
         if callspec is not None and callspec.params.get("harness") == "grpc":

@@ -11,7 +11,8 @@ accepts exactly the upstream spellings and runs ``codemode host`` with what they
   is configured, as ``codemode host`` requires).
 
 ``--otel-trace-listen`` / ``--otel-trace-exporter`` are accepted and ignored (with a log line):
-this host exports no OpenTelemetry traces. ``codemode codex install`` puts this program where a
+this host exports no OpenTelemetry traces. ``--loop`` (not upstream's: Codex never passes it)
+picks the event loop as for ``codemode host``. ``codemode codex install`` puts this program where a
 Codex executable looks for it.
 """
 
@@ -20,6 +21,8 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+
+from codemode.cli.common import loop_argument
 
 __all__ = ["main"]
 
@@ -39,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--otel-trace-listen", metavar="URL", help="accepted and ignored")
     parser.add_argument("--otel-trace-exporter", metavar="URL", help="accepted and ignored")
+    loop_argument(parser)
     return parser
 
 
@@ -48,9 +52,10 @@ def host_arguments(argv: Sequence[str] | None = None) -> list[str]:
 
 
 def _codemode_arguments(args: argparse.Namespace) -> list[str]:
+    loop = [] if args.loop == "auto" else ["--loop", args.loop]
     if args.listen in ("stdio", "stdio://"):
-        return ["host", "--stdio", "--wire-revision", "auto"]
-    return ["host", "--listen", args.listen]
+        return ["host", "--stdio", "--wire-revision", "auto", *loop]
+    return ["host", "--listen", args.listen, *loop]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

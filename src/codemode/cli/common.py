@@ -1,8 +1,15 @@
-"""What several commands share: argument types, engine options, the embedded provider."""
+"""What several commands share: argument types, engine options, the embedded provider, the
+event loop."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Coroutine
+from typing import Any, Final, TypeVar
 
 from codemode.protocol.v1 import WireRevision
 from codemode.protocol.v1.revision import AUTO_REVISION
@@ -10,12 +17,21 @@ from codemode.runtime import LocalSessionProvider
 from codemode.runtime.engine import DEFAULT_MEMORY_CAP_BYTES
 
 __all__ = [
+    "LOOPS",
     "engine_arguments",
     "local_provider",
+    "loop_argument",
     "non_negative",
     "positive",
+    "run_main",
     "wire_revision_argument",
 ]
+
+_T = TypeVar("_T")
+
+#: The ``--loop`` choices: ``auto`` is uvloop where it is installed, else asyncio's own loop.
+LOOPS: Final = ("auto", "asyncio", "uvloop")
+_NOT_INSTALLED: Final = "uvloop is not installed: pip install 'codemode[fast]'"
 
 
 def non_negative(text: str) -> int:
@@ -94,3 +110,64 @@ def local_provider(args: argparse.Namespace, *, store_load: bool = True) -> Loca
         memory_cap_bytes=args.memory_cap,
         require_confinement=args.require_confinement,
     )
+
+
+def _loop_choice(text: str) -> str:
+    """An argparse type: a ``--loop`` choice; ``uvloop`` must be importable (else a usage
+    error, not a failure after start-up)."""
+    if text == "uvloop":
+        try:
+            import uvloop  # noqa: F401
+        except ImportError:
+            raise argparse.ArgumentTypeError(_NOT_INSTALLED) from None
+    return text
+
+
+def loop_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``--loop {auto,asyncio,uvloop}`` (the event loop :func:`run_main` runs on)."""
+    parser.add_argument(
+        "--loop",
+        type=_loop_choice,
+        choices=LOOPS,
+        default="auto",
+        help="the event loop: uvloop (needs codemode[fast]), asyncio, or auto, the default: "
+        "uvloop where it is installed, else asyncio",
+    )
+
+
+def _loop_factory(loop: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The factory of the ``--loop`` choice; ``None`` is asyncio's default loop."""
+    if loop == "asyncio":
+        return None
+    try:
+        # Imported only here: the commands that never run a loop do not pay for it.
+        import uvloop
+    except ImportError:
+        if loop == "uvloop":
+            raise RuntimeError(_NOT_INSTALLED) from None
+        return None
+    return uvloop.new_event_loop
+
+
+def _inherit_nothing() -> None:
+    """Make every descriptor above stderr close-on-exec.
+
+    uvloop spawns children without ``close_fds`` (asyncio closes them), so a descriptor this
+    process inherited would reach every engine it starts: e.g. the copy of our stdout that a
+    uvloop client's spawn leaves us would then outlive our death in the engines, and that
+    client would not see our stdout end."""
+    for name in os.listdir("/dev/fd"):
+        fd = int(name)
+        if fd > 2:
+            with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+                os.set_inheritable(fd, False)
+
+
+def run_main(main: Callable[[], Coroutine[Any, Any, _T]], loop: str = "auto") -> _T:
+    """``asyncio.run(main())`` on the event loop ``loop`` names (a :data:`LOOPS` choice)."""
+    with asyncio.Runner(loop_factory=_loop_factory(loop)) as runner:
+        kind = type(runner.get_loop()).__module__.partition(".")[0]
+        logging.getLogger("codemode.cli").debug("event loop: %s", kind)  # --verbose shows it
+        if kind == "uvloop":
+            _inherit_nothing()
+        return runner.run(main())

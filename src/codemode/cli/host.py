@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 from codemode.cli.common import (
     engine_arguments,
     local_provider,
+    loop_argument,
     positive,
+    run_main,
     wire_revision_argument,
 )
 from codemode.host import HostOptions, serve_v1_connection
@@ -133,7 +135,7 @@ def _host_command(args: argparse.Namespace) -> int:
             )
             return 2
         if listen == "stdio":
-            return asyncio.run(_host_stdio(args))
+            return run_main(lambda: _host_stdio(args), args.loop)
         try:
             address = WebSocketAddress.parse(listen)
             token = _host_token(args)
@@ -148,7 +150,7 @@ def _host_command(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        return asyncio.run(_host_websocket(args, address, token))
+        return run_main(lambda: _host_websocket(args, address, token), args.loop)
     except KeyboardInterrupt:
         return 130
 
@@ -196,7 +198,7 @@ def _host_grpc_command(args: argparse.Namespace, listen: str) -> int:
             file=sys.stderr,
         )
         return 2
-    return asyncio.run(_host_grpc(args, listen, token, tls))
+    return run_main(lambda: _host_grpc(args, listen, token, tls), args.loop)
 
 
 def _grpc_options(args: argparse.Namespace) -> GrpcHostOptions:
@@ -225,7 +227,7 @@ def _host_grpc_stdio_command(args: argparse.Namespace, listen: str) -> int:
         return 2
     if not _grpc_installed():
         return 2
-    return asyncio.run(_host_grpc(args, listen))
+    return run_main(lambda: _host_grpc(args, listen), args.loop)
 
 
 async def _host_grpc(
@@ -372,4 +374,5 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     host.add_argument("--verbose", action="store_true", help="debug logging on stderr")
     wire_revision_argument(host, "the shape of the runtime responses the host writes", auto=True)
     engine_arguments(host)
+    loop_argument(host)
     host.set_defaults(handler=_host_command)

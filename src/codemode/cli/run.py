@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import shlex
 import sys
 import time
 from pathlib import Path
 
-from codemode.cli.common import engine_arguments, local_provider, non_negative
+from codemode.cli.common import (
+    engine_arguments,
+    local_provider,
+    loop_argument,
+    non_negative,
+    run_main,
+)
 from codemode.errors import CodeModeError
 from codemode.model.exec_tool import build_exec_description
 from codemode.model.positions import in_source_lines
@@ -220,7 +225,7 @@ async def _run_cell(
 
 def _run_command(args: argparse.Namespace) -> int:
     try:
-        return asyncio.run(_run(args))
+        return run_main(lambda: _run(args), args.loop)
     except CodeModeError as error:
         print(f"codemode: {error}", file=sys.stderr)
         return 1
@@ -271,4 +276,5 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "declared in TypeScript) instead of running a cell",
     )
     engine_arguments(run)
+    loop_argument(run)
     run.set_defaults(handler=_run_command)

@@ -17,7 +17,7 @@ import os
 import stat
 import sys
 from collections.abc import Callable
-from typing import IO, Final, Protocol
+from typing import IO, Final, Protocol, cast
 
 from codemode.protocol.v1.lanes import Lane
 from codemode.transports.base import TransportError, describe
@@ -52,10 +52,17 @@ class StreamTransport:
     dual = False
     whole_frames = False
 
-    def __init__(self, reader: asyncio.StreamReader | None, writer: ByteWriter | None) -> None:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader | None,
+        writer: ByteWriter | None,
+        *,
+        pause_while_backlogged: bool = True,
+    ) -> None:
         self._reader = reader
         self._writer = writer
         self._closed = False
+        self._pause_while_backlogged = pause_while_backlogged
         # Push mode (reader is None): the pipe's transport, the consumer's sink, what arrived
         # before it registered one, and how (and whether) the stream ended.
         self._input: asyncio.ReadTransport | None = None
@@ -168,12 +175,13 @@ class StreamTransport:
             if not isinstance(error, Exception):
                 raise
             return
-        if self._backlogged():
+        if self._pause_while_backlogged and self._backlogged():
             self.pause_reading()  # the peer does not take what we write: read no more for now
 
     def _backlogged(self) -> bool:
-        transport = getattr(self._writer, "transport", None)
-        if not isinstance(transport, asyncio.WriteTransport):
+        # Duck-typed: uvloop's transports are not subclasses of asyncio's.
+        transport: asyncio.WriteTransport | None = getattr(self._writer, "transport", None)
+        if transport is None:
             return False
         return transport.get_write_buffer_size() > transport.get_write_buffer_limits()[1]
 
@@ -204,8 +212,7 @@ class _PipeInput(asyncio.Protocol):
         self._owner = owner
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.ReadTransport)
-        self._owner._input = transport
+        self._owner._input = cast(asyncio.ReadTransport, transport)  # uvloop's: no subclass
 
     def data_received(self, data: bytes) -> None:
         self._owner._pushed(data)
@@ -217,14 +224,22 @@ class _PipeInput(asyncio.Protocol):
         self._owner._end(exc)
 
 
-async def pipe_transport(read_pipe: IO[bytes], writer: ByteWriter | None) -> StreamTransport:
+async def pipe_transport(
+    read_pipe: IO[bytes], writer: ByteWriter | None, *, pause_while_backlogged: bool = True
+) -> StreamTransport:
     """A push-mode transport reading ``read_pipe`` (a pipe, socket or terminal the loop can
-    watch) and writing to ``writer``."""
-    transport = StreamTransport(None, writer)
+    watch) and writing to ``writer``.
+
+    With ``pause_while_backlogged`` (the host's side) it stops reading after a chunk that left
+    ``writer`` above its high-water mark, until the consumer's next ``receive()``; only one end
+    of a connection may do that (the client's reads must go on, or both ends could wait for the
+    other to read)."""
+    transport = StreamTransport(None, writer, pause_while_backlogged=pause_while_backlogged)
     pipe, _ = await asyncio.get_running_loop().connect_read_pipe(
         lambda: _PipeInput(transport), read_pipe
     )
-    pipe.max_size = _READ_CHUNK  # type: ignore[attr-defined]
+    if hasattr(pipe, "max_size"):  # asyncio's pipe transport; uvloop has no such knob
+        pipe.max_size = _READ_CHUNK
     return transport
 
 
@@ -255,7 +270,9 @@ class _BlockingWriter:
 
 def _watchable(fd: int) -> bool:
     mode = os.fstat(fd).st_mode
-    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or stat.S_ISCHR(mode)
+    # Of character devices only terminals: epoll refuses /dev/null (asyncio then never reads it,
+    # uvloop's libuv aborts the process).
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or (stat.S_ISCHR(mode) and os.isatty(fd))
 
 
 async def _pump_file(fd: int, reader: asyncio.StreamReader) -> None:
@@ -287,7 +304,8 @@ async def stdio_streams() -> tuple[asyncio.StreamReader, ByteWriter]:
         pipe, _ = await loop.connect_read_pipe(
             lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(stdin, "rb", 0, closefd=False)
         )
-        pipe.max_size = _READ_CHUNK  # type: ignore[attr-defined]
+        if hasattr(pipe, "max_size"):  # asyncio's pipe transport; uvloop has no such knob
+            pipe.max_size = _READ_CHUNK
     else:
         task = asyncio.ensure_future(_pump_file(stdin, reader))
         _PUMPS.add(task)
