@@ -31,9 +31,21 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action=_Version)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in (only,) if only else ("run", "host", "doctor", "wire", "codex"):
+    for name in (only,) if only else _COMMANDS:
         import_module(f"codemode.cli.{name}").add_parser(commands)
     return parser
+
+
+_COMMANDS = ("run", "host", "doctor", "wire", "codex")
+
+
+def _named_command(argv: Sequence[str]) -> str | None:
+    """The command ``argv`` names first, if any: only its module then needs importing (a host's
+    start-up pays for no other command's imports)."""
+    for word in argv:
+        if not word.startswith("-"):
+            return word if word in _COMMANDS else None
+    return None
 
 
 def _version() -> str:
@@ -50,7 +62,9 @@ def _version() -> str:
 def main(argv: Sequence[str] | None = None, *, only: str | None = None) -> int:
     """Run the command line; returns the exit status. ``only`` names the one command ``argv``
     may use (the others are then not imported)."""
-    args = _parser(only).parse_args(argv)
+    if argv is None:
+        argv = sys.argv[1:]
+    args = _parser(only or _named_command(argv)).parse_args(argv)
     try:
         status: int = args.handler(args)
         sys.stdout.flush()
