@@ -21,12 +21,11 @@ from codemode.cli.common import (
     wire_revision_argument,
 )
 from codemode.host import HostOptions, serve_v1_connection
-from codemode.host.websocket import (
+from codemode.host.address import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_PING_INTERVAL,
     DEFAULT_PING_TIMEOUT,
     WebSocketAddress,
-    WebSocketHost,
     is_loopback,
 )
 from codemode.protocol.constants import DEFAULT_MAX_ACTIVE_CELLS, DEFAULT_MAX_IN_FLIGHT_REQUESTS
@@ -67,6 +66,8 @@ async def _host_stdio(args: argparse.Namespace) -> int:
 async def _host_websocket(
     args: argparse.Namespace, address: WebSocketAddress, token: str | None
 ) -> int:
+    from codemode.host.websocket import WebSocketHost  # the websockets library: only when used
+
     provider = local_provider(args, store_load=not args.no_store_load)
     log = logging.getLogger("codemode.host")
     log.info("%s", confinement.probe().describe())

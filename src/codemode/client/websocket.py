@@ -28,7 +28,12 @@ from codemode.protocol.texts import host_unreachable
 from codemode.protocol.v1.revision import WireRevision
 from codemode.protocol.v1.urls import bulk_url
 from codemode.transports.base import describe
-from codemode.transports.websocket import CLOSE_TIMEOUT, WRITE_HIGH_WATER, WebSocketTransport
+from codemode.transports.websocket import (
+    CLOSE_TIMEOUT,
+    WRITE_HIGH_WATER,
+    PushClientConnection,
+    WebSocketTransport,
+)
 
 __all__ = ["WebSocketCodeModeSessionProvider", "WebSocketLink", "connect_websocket"]
 
@@ -45,6 +50,7 @@ async def _open(url: str, token: str | None, settings: dict[str, Any]) -> Client
             proxy=None,
             close_timeout=CLOSE_TIMEOUT,
             write_limit=WRITE_HIGH_WATER,
+            create_connection=PushClientConnection,  # messages pushed to the transport
             **settings,
         )
     except InvalidStatus as error:
@@ -73,7 +79,9 @@ async def connect_websocket(
         "ping_interval": ping_interval,
         "ping_timeout": ping_timeout,
     }
-    transport = WebSocketTransport(await _open(url, token, settings))
+    # The client never pauses its reading for its own writes: the host pauses for its writes,
+    # and two ends doing that could each wait for the other to read (decision 0014).
+    transport = WebSocketTransport(await _open(url, token, settings), pause_while_backlogged=False)
 
     async def open_bulk(bulk_token: str) -> None:
         transport.attach_bulk(await _open(bulk_url(url, bulk_token), token, settings))

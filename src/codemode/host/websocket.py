@@ -13,23 +13,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import ipaddress
 import itertools
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Final
 from urllib.parse import urlsplit
 
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.http11 import Request, Response
 
-from codemode.host.address import bracketed, split_listen_url
+from codemode.host.address import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_PING_INTERVAL,
+    DEFAULT_PING_TIMEOUT,
+    WebSocketAddress,
+    is_loopback,
+)
 from codemode.host.v1 import HostOptions, V1HostConnection
 from codemode.protocol.constants import DUAL_WEBSOCKET_CAPABILITY, MAX_WEBSOCKET_MESSAGE_BYTES
 from codemode.session import CodeModeSessionProvider
 from codemode.transports.base import TransportError
-from codemode.transports.websocket import CLOSE_TIMEOUT, WRITE_HIGH_WATER, WebSocketTransport
+from codemode.transports.websocket import (
+    CLOSE_TIMEOUT,
+    WRITE_HIGH_WATER,
+    PushServerConnection,
+    WebSocketTransport,
+)
 
 __all__ = [
     "DEFAULT_MAX_CONNECTIONS",
@@ -41,42 +50,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("codemode.host")
-
-DEFAULT_MAX_CONNECTIONS: Final = 64
-#: Seconds between keepalive pings, and how long a pong may take before the connection (and
-#: its sessions) end: a half-open TCP connection is noticed within their sum.
-DEFAULT_PING_INTERVAL: Final = 20.0
-DEFAULT_PING_TIMEOUT: Final = 20.0
-
-
-@dataclass(frozen=True, slots=True)
-class WebSocketAddress:
-    """Where to listen: ``ws://ADDR:PORT[/PATH]`` (``PORT`` 0 picks a free port)."""
-
-    host: str
-    port: int
-    path: str = "/"
-
-    @classmethod
-    def parse(cls, url: str) -> WebSocketAddress:
-        """Parse a listen URL; raise :class:`ValueError` saying what is wrong with it."""
-        parts, host, port = split_listen_url(url, "ws", "ws://ADDR:PORT[/PATH]")
-        return cls(host, port, parts.path or "/")
-
-    def url(self, port: int | None = None) -> str:
-        """The control URL clients connect to (no trailing slash for the root path)."""
-        path = "" if self.path == "/" else self.path
-        return f"ws://{bracketed(self.host)}:{self.port if port is None else port}{path}"
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback addresses."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(slots=True)
@@ -144,6 +117,7 @@ class WebSocketHost:
             ping_timeout=self._ping_timeout,
             close_timeout=CLOSE_TIMEOUT,
             write_limit=WRITE_HIGH_WATER,
+            create_connection=PushServerConnection,  # messages pushed to the transport
             server_header=None,
             logger=logging.getLogger("codemode.host.websocket"),
         )

@@ -74,8 +74,9 @@ class FrameTransport(Protocol):
 
 @runtime_checkable
 class PushingTransport(Protocol):
-    """A byte-stream carrier that can hand its reads to a sink in the loop iteration that read
-    them (when :attr:`pushes` is true), instead of returning them from ``receive()``."""
+    """A carrier that can hand its reads (bytes, or a WebSocket's one-frame messages) to a sink in
+    the loop iteration that read them (when :attr:`pushes` is true), instead of returning them
+    from ``receive()``."""
 
     @property
     def pushes(self) -> bool:

@@ -1,11 +1,20 @@
 """V1 frames over WebSocket: one socket, or a control + bulk pair (``protocol-v1.md`` §6.4, §7).
 
-Every binary message carries exactly one frame; the transport hands each message over whole
-(``whole_frames``) and never looks inside. On a pair, control is read first whenever both sockets
-have a message ready, so a large tool result on the bulk socket never delays an answer on the
-control socket. Frames are written at once, in order; what waits to be written is bounded by
-:meth:`WebSocketTransport.drain`, and each socket's reader holds at most one message its
-consumer has not taken, so a peer that floods or stops reading cannot grow our memory.
+Every binary message carries exactly one frame; the transport never looks inside beyond its
+length prefix. Messages are *pushed*: both ends open their sockets as :class:`PushClientConnection`
+/ :class:`PushServerConnection` (the library's connections, given through its ``create_connection``
+parameter), which hand every whole data message to the transport from the socket's
+``data_received`` — no reader task, no wake-up in between — and the transport feeds it to the sink
+its consumer registered (:meth:`WebSocketTransport.push_to`, the :class:`~codemode.transports.pump.Pump`).
+:meth:`WebSocketTransport.receive` returns what did not go to the sink (messages that arrived
+before it was registered, a message that is not exactly one frame, which the consumer's own
+whole-frame check then rejects) and reports how the connection ended.
+
+Frames are written at once, in order; what waits to be written is bounded by
+:meth:`WebSocketTransport.drain`. With ``pause_while_backlogged`` (the host) the transport stops
+reading both sockets after a message that left a socket's writes above their high-water mark, and
+reads again once they fell below the low-water mark, so a peer that floods or stops reading
+cannot grow our memory. See ``docs/decisions/0015-websocket-push.md``.
 """
 
 from __future__ import annotations
@@ -13,58 +22,157 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from typing import Final
+from collections.abc import Callable
+from typing import Any, Final
 
+from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.connection import Connection
+from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
-from websockets.protocol import State
+from websockets.frames import CloseCode, Frame, Opcode
+from websockets.protocol import Event, State
 
 from codemode.protocol.v1.lanes import Lane
 from codemode.transports.base import TextMessageReceived, TransportError, describe
 
-__all__ = ["CLOSE_TIMEOUT", "WRITE_HIGH_WATER", "WebSocketTransport"]
+__all__ = [
+    "CLOSE_TIMEOUT",
+    "WRITE_HIGH_WATER",
+    "PushClientConnection",
+    "PushServerConnection",
+    "WebSocketTransport",
+]
 
 #: Bytes buffered for writing on one socket above which :meth:`WebSocketTransport.drain` waits
-#: (the ``write_limit`` both ends give the library).
+#: (the ``write_limit`` both ends give the library), and the host stops reading.
 WRITE_HIGH_WATER: Final = 1 << 20
 #: How long a closing handshake may wait for the peer (both ends): a silent peer must not hold a
 #: connection, and its sessions, long after its keepalive failed.
 CLOSE_TIMEOUT: Final = 1.0
 
-_END: Final = object()  # the socket ended cleanly
+#: What a pushed message goes to: ``sink(frame, lane)``, in the iteration that read it.
+Sink = Callable[[bytes, Lane], None]
+
+#: Fragments one message may have (the library's own limit for ``recv()``).
+_MAX_FRAGMENTS: Final = 4096
+_PREFIX: Final = 4  # a V1 frame's length prefix
+
+
+class _Pushing(Connection):
+    """What both pushing connections add to the library's: each whole data message goes to the
+    :class:`_Socket` that claimed the connection (none is queued in the library's ``recv()``
+    assembler), or waits for one with reading paused."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._socket: _Socket | None = None
+        self._waiting: list[tuple[bytes, bool]] = []  # (message, is text) before a claim
+        self._fragments: list[bytes] = []
+        self._text = False
+        self._reading = True
+        self._lost = False
+
+    # -- the library's hooks ---------------------------------------------------------------------
+
+    def process_event(self, event: Event) -> None:
+        if isinstance(event, Frame) and event.opcode in _DATA:
+            self._data_frame(event)
+        else:  # the handshake, pings, pongs, close frames: as the library does
+            super().process_event(event)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self._lost = True
+        self._fragments.clear()
+        if self._socket is not None:
+            self._socket.lost()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._socket is not None:
+            self._socket.writable()
+
+    # -- ours ------------------------------------------------------------------------------------
+
+    def _data_frame(self, frame: Frame) -> None:
+        data = frame.data
+        if frame.opcode is not Opcode.CONT:
+            self._text = frame.opcode is Opcode.TEXT
+        fragments = self._fragments
+        if frame.fin and not fragments:
+            message = data if type(data) is bytes else bytes(data)
+        else:
+            if len(fragments) >= _MAX_FRAGMENTS:
+                fragments.clear()
+                self.protocol.fail(CloseCode.MESSAGE_TOO_BIG, "too many fragments")
+                self.send_data()
+                return
+            fragments.append(bytes(data))
+            if not frame.fin:
+                return
+            message = b"".join(fragments)
+            fragments.clear()
+        socket = self._socket
+        if socket is None:
+            self._waiting.append((message, self._text))
+            self.set_reading(False)  # until a transport claims this connection
+        else:
+            socket.message(message, self._text)
+
+    def claim(self, socket: _Socket) -> None:
+        """Hand every later message to ``socket``, and the ones that waited now."""
+        self._socket = socket
+        waiting, self._waiting = self._waiting, []
+        for message, text in waiting:
+            socket.message(message, text)
+        if self._lost:
+            socket.lost()
+
+    def set_reading(self, reading: bool) -> None:
+        """Pause or resume reading the socket (back-pressure); idempotent."""
+        if reading is self._reading or self._lost:
+            return
+        self._reading = reading
+        if reading:
+            self.transport.resume_reading()
+        else:
+            self.transport.pause_reading()
+
+
+_DATA: Final = frozenset((Opcode.TEXT, Opcode.BINARY, Opcode.CONT))
+
+
+class PushClientConnection(_Pushing, ClientConnection):
+    """A client connection whose messages a :class:`WebSocketTransport` receives by push (give it
+    to :func:`websockets.asyncio.client.connect` as ``create_connection``)."""
+
+
+class PushServerConnection(_Pushing, ServerConnection):
+    """A server connection whose messages a :class:`WebSocketTransport` receives by push (give it
+    to :func:`websockets.asyncio.server.serve` as ``create_connection``)."""
 
 
 class _Socket:
-    """One WebSocket's reader and writer."""
+    """One WebSocket of a transport: its lane, writer and how it ended."""
 
-    def __init__(self, transport: WebSocketTransport, lane: Lane, connection: Connection) -> None:
+    def __init__(self, transport: WebSocketTransport, lane: Lane, connection: _Pushing) -> None:
         self.lane = lane
         self.connection = connection
-        self.ready: deque[object] = deque()  # at most one message, or how the socket ended
-        self.taken = asyncio.Event()
         self.failure: str | None = None
         self._transport = transport
-        self.reader = asyncio.ensure_future(self._read())
 
-    async def _read(self) -> None:
-        connection = self.connection
-        while True:
-            try:
-                message: object = await connection.recv()
-            except ConnectionClosedOK:
-                message = _END
-            except ConnectionClosed as error:
-                message = TransportError(_closed_detail(error))
-            except Exception as error:
-                message = TransportError(describe(error))
-            if isinstance(message, str):
-                message = TextMessageReceived("text message")
-            self.ready.append(message)
-            self._transport._wake()
-            if not isinstance(message, bytes):
-                return
-            self.taken.clear()
-            await self.taken.wait()  # the consumer took it: read the next one
+    def message(self, data: bytes, text: bool) -> None:
+        self._transport._message(self.lane, data, text)
+
+    def lost(self) -> None:
+        self._transport._lost(self)
+
+    def writable(self) -> None:
+        self._transport._update_reading()
+
+    def backlogged(self) -> bool:
+        transport = self.connection.transport
+        return transport.get_write_buffer_size() > transport.get_write_buffer_limits()[1]
 
     def send(self, frame: bytes | bytearray) -> None:
         # Written at once, in order, like a stream writer: the library's sans-I/O protocol frames
@@ -89,11 +197,8 @@ class _Socket:
     async def close(self) -> None:
         if self.failure is None:
             self.failure = "the WebSocket connection is closed"
-        self.reader.cancel()
         with contextlib.suppress(Exception):
             await self.connection.close()
-        with contextlib.suppress(BaseException):
-            await self.reader
 
 
 def _closed_detail(error: ConnectionClosed) -> str:
@@ -105,21 +210,39 @@ def _closed_detail(error: ConnectionClosed) -> str:
     return "WebSocket connection lost"
 
 
+def _one_frame(message: bytes) -> bool:
+    """True when ``message`` is exactly one V1 frame by its length prefix (anything else goes
+    through ``receive()``, whose consumer rejects it with the protocol's own error)."""
+    size = len(message)
+    return size >= _PREFIX and int.from_bytes(message[:_PREFIX], "little") == size - _PREFIX
+
+
 class WebSocketTransport:
     """A :class:`~codemode.transports.base.FrameTransport` over a control WebSocket, to which a
     bulk WebSocket may be attached (:meth:`attach_bulk`) once ``dual-websocket-v1`` was granted.
 
-    Frames for the bulk lane written before the bulk socket is attached wait for it.
+    Both must be :class:`PushClientConnection` or :class:`PushServerConnection`. Frames for the
+    bulk lane written before the bulk socket is attached wait for it. ``pause_while_backlogged``:
+    stop reading while our writes back up (the host; a client must go on reading, or two ends
+    with full buffers could each wait for the other).
     """
 
     whole_frames = True
+    pushes = True
 
-    def __init__(self, control: Connection) -> None:
-        self._control = _Socket(self, Lane.CONTROL, control)
-        self._bulk: _Socket | None = None
-        self._early_bulk: list[bytes | bytearray] = []
-        self._wakeup = asyncio.Event()
+    def __init__(self, control: Connection, *, pause_while_backlogged: bool = True) -> None:
+        self._pause_while_backlogged = pause_while_backlogged
+        self._sink: Sink | None = None
+        self._queue: deque[tuple[bytes, Lane]] = deque()  # what receive() returns next
+        self._ended = False
+        self._failure: BaseException | None = None
+        self._stopped = False  # the consumer paused reading
         self._closed = False
+        self._waiter: asyncio.Future[None] | None = None
+        self._early_bulk: list[bytes | bytearray] = []
+        self._bulk: _Socket | None = None
+        self._control = _Socket(self, Lane.CONTROL, _pushing(control))
+        self._control.connection.claim(self._control)
 
     @property
     def dual(self) -> bool:
@@ -136,15 +259,23 @@ class WebSocketTransport:
             raise RuntimeError("a bulk socket is already attached")
         if self._closed:
             raise TransportError("the WebSocket connection is closed")
-        self._bulk = _Socket(self, Lane.BULK, bulk)
+        socket = self._bulk = _Socket(self, Lane.BULK, _pushing(bulk))
         early, self._early_bulk = self._early_bulk, []
         for frame in early:
-            self._bulk.send(frame)
+            socket.send(frame)
+        socket.connection.claim(socket)
+        self._update_reading()
 
     async def bulk_closed(self) -> None:
         """Return once the bulk socket (if any) is closed."""
         if self._bulk is not None:
             await self._bulk.connection.wait_closed()
+
+    def _sockets(self) -> tuple[_Socket, ...]:
+        bulk = self._bulk
+        return (self._control,) if bulk is None else (self._control, bulk)
+
+    # -- writing -----------------------------------------------------------------------------------
 
     def send(self, frame: bytes | bytearray, lane: Lane = Lane.CONTROL) -> None:
         if self._closed:
@@ -158,38 +289,122 @@ class WebSocketTransport:
             self._control.send(frame)
 
     async def drain(self) -> None:
-        for socket in (self._control, self._bulk):
-            if socket is not None:
-                await socket.drain()
+        for socket in self._sockets():
+            await socket.drain()
 
-    def _wake(self) -> None:
-        self._wakeup.set()
+    # -- reading -----------------------------------------------------------------------------------
+
+    def push_to(self, sink: Sink) -> None:
+        """Hand every later message to ``sink(frame, lane)`` as it arrives (what arrived before
+        comes out of :meth:`receive`). A sink that raises ends the connection with that error,
+        which :meth:`receive` raises."""
+        self._sink = sink
+
+    def pause_reading(self) -> None:
+        """The consumer is done for now (its machine ended): stop reading both sockets and let
+        the pending :meth:`receive` return ``None``; the next :meth:`receive` reads again.
+
+        Back-pressure needs no call: the transport pauses and resumes by itself (see the class).
+        """
+        if not self._stopped and not self._ended:
+            self._stopped = True
+            self._update_reading()
+            self._wake()
 
     async def receive(self) -> tuple[bytes, Lane] | None:
+        if self._stopped:
+            self._stopped = False
+            self._update_reading()
         while True:
             if self._closed:
                 return None
-            for socket in (self._control, self._bulk):
-                if socket is not None and socket.ready:
-                    return self._take(socket)
-            self._wakeup.clear()
-            await self._wakeup.wait()
+            queue = self._queue
+            if queue:
+                item = queue.popleft()
+                if not queue:
+                    self._update_reading()
+                return item
+            if self._ended:
+                failure = self._failure
+                if failure is None:
+                    return None
+                raise failure
+            if self._stopped:
+                return None
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
 
-    def _take(self, socket: _Socket) -> tuple[bytes, Lane] | None:
-        message = socket.ready[0]
-        if isinstance(message, bytes):
-            socket.ready.popleft()
-            socket.taken.set()
-            return message, socket.lane
-        # How the socket ended stays: closing either socket ends the connection.
-        if isinstance(message, TransportError):
-            raise message
-        return None
+    def _message(self, lane: Lane, data: bytes, text: bool) -> None:
+        if self._ended or self._closed:
+            return
+        if text:
+            self._end(TextMessageReceived("text message"))
+            return
+        sink = self._sink
+        if sink is None or self._queue or not _one_frame(data):
+            self._queue.append((data, lane))  # for receive(), in order
+            self._update_reading()
+            self._wake()
+            return
+        try:
+            sink(data, lane)
+        except BaseException as error:  # a bug in the consumer: the connection ends with it
+            self._end(error)
+            if not isinstance(error, Exception):
+                raise
+            return
+        if self._pause_while_backlogged:
+            self._update_reading()  # the peer does not take what we write: read no more for now
+
+    def _lost(self, socket: _Socket) -> None:
+        # How either socket ended ends the connection (the first end wins).
+        error = socket.connection.close_exc
+        self._end(
+            None if isinstance(error, ConnectionClosedOK) else TransportError(_closed_detail(error))
+        )
+
+    def _end(self, failure: BaseException | None) -> None:
+        if not self._ended:
+            self._ended = True
+            self._failure = failure
+            self._update_reading()
+        self._wake()
+
+    def _update_reading(self) -> None:
+        """Read while nothing waits for receive() and our writes do not back up; always while
+        closing (the closing handshake needs the peer's close frame)."""
+        sockets = self._sockets()
+        reading = self._closed or not (
+            self._ended
+            or self._stopped
+            or self._queue
+            or (self._pause_while_backlogged and any(s.backlogged() for s in sockets))
+        )
+        for socket in sockets:
+            socket.connection.set_reading(reading)
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._wakeup.set()
-        sockets = [s for s in (self._control, self._bulk) if s is not None]
+        self._update_reading()
+        self._wake()
+        sockets = self._sockets()
         await asyncio.gather(*(socket.close() for socket in sockets), return_exceptions=True)
+
+
+def _pushing(connection: Connection) -> _Pushing:
+    if not isinstance(connection, _Pushing):
+        raise TypeError(
+            "a WebSocketTransport needs a PushClientConnection or PushServerConnection "
+            "(pass it to connect() / serve() as create_connection)"
+        )
+    return connection
