@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
-import os
 from collections.abc import Callable, Coroutine
 from typing import Any, Final, TypeVar
 
@@ -149,25 +147,15 @@ def _loop_factory(loop: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-def _inherit_nothing() -> None:
-    """Make every descriptor above stderr close-on-exec.
-
-    uvloop spawns children without ``close_fds`` (asyncio closes them), so a descriptor this
-    process inherited would reach every engine it starts: e.g. the copy of our stdout that a
-    uvloop client's spawn leaves us would then outlive our death in the engines, and that
-    client would not see our stdout end."""
-    for name in os.listdir("/dev/fd"):
-        fd = int(name)
-        if fd > 2:
-            with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
-                os.set_inheritable(fd, False)
-
-
 def run_main(main: Callable[[], Coroutine[Any, Any, _T]], loop: str = "auto") -> _T:
     """``asyncio.run(main())`` on the event loop ``loop`` names (a :data:`LOOPS` choice)."""
     with asyncio.Runner(loop_factory=_loop_factory(loop)) as runner:
         kind = type(runner.get_loop()).__module__.partition(".")[0]
         logging.getLogger("codemode.cli").debug("event loop: %s", kind)  # --verbose shows it
         if kind == "uvloop":
-            _inherit_nothing()
+            from codemode.runtime.confinement import inherit_nothing
+
+            # What we inherited (e.g. the copy of its stdout a uvloop client's spawn leaves
+            # us) would otherwise outlive us in our engines: that client would not see us end.
+            inherit_nothing()
         return runner.run(main())

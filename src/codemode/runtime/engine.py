@@ -351,6 +351,9 @@ class NodeEngine:
         # see _EngineOutput (stderr, only logged, stays a subprocess pipe).
         child_in, parent_out = os.pipe()
         parent_in, child_out = os.pipe()
+        preexec = confinement.preexec(read_paths, [Path(node)], unix_sockets=False)
+        if not isinstance(loop, asyncio.BaseEventLoop):  # uvloop: no close_fds (asyncio's does)
+            preexec = confinement.without_inherited(preexec)
         try:
             transport, _ = await loop.subprocess_exec(
                 lambda: _HostProtocol(self),
@@ -358,7 +361,7 @@ class NodeEngine:
                 stdin=child_in,
                 stdout=child_out,
                 stderr=asyncio.subprocess.PIPE,
-                preexec_fn=confinement.preexec(read_paths, [Path(node)], unix_sockets=False),
+                preexec_fn=preexec,
                 env=_engine_environment(),
                 cwd="/",
             )
