@@ -46,7 +46,10 @@ class Pump(Generic[E]):
 
     def _pushed(self, data: bytes, lane: Lane) -> None:
         protocol = self.protocol
-        protocol.receive_data(data, lane)
+        if self.transport.whole_frames:  # a message that is not exactly one frame ends it
+            protocol.receive_frame(data, lane)
+        else:
+            protocol.receive_data(data, lane)
         self.flush()
         if protocol.ended and self._pushing is not None:
             self._pushing.pause_reading()  # receive() returns

@@ -7,8 +7,8 @@ parameter), which hand every whole data message to the transport from the socket
 ``data_received`` — no reader task, no wake-up in between — and the transport feeds it to the sink
 its consumer registered (:meth:`WebSocketTransport.push_to`, the :class:`~codemode.transports.pump.Pump`).
 :meth:`WebSocketTransport.receive` returns what did not go to the sink (messages that arrived
-before it was registered, a message that is not exactly one frame, which the consumer's own
-whole-frame check then rejects) and reports how the connection ended.
+before it was registered) and reports how the connection ended; either way the consumer checks
+that a message is exactly one frame (``receive_frame``).
 
 Frames are written at once, in order; what waits to be written is bounded by
 :meth:`WebSocketTransport.drain`. With ``pause_while_backlogged`` (the host) the transport stops
@@ -55,7 +55,6 @@ Sink = Callable[[bytes, Lane], None]
 
 #: Fragments one message may have (the library's own limit for ``recv()``).
 _MAX_FRAGMENTS: Final = 4096
-_PREFIX: Final = 4  # a V1 frame's length prefix
 
 
 class _Pushing(Connection):
@@ -210,13 +209,6 @@ def _closed_detail(error: ConnectionClosed) -> str:
     return "WebSocket connection lost"
 
 
-def _one_frame(message: bytes) -> bool:
-    """True when ``message`` is exactly one V1 frame by its length prefix (anything else goes
-    through ``receive()``, whose consumer rejects it with the protocol's own error)."""
-    size = len(message)
-    return size >= _PREFIX and int.from_bytes(message[:_PREFIX], "little") == size - _PREFIX
-
-
 class WebSocketTransport:
     """A :class:`~codemode.transports.base.FrameTransport` over a control WebSocket, to which a
     bulk WebSocket may be attached (:meth:`attach_bulk`) once ``dual-websocket-v1`` was granted.
@@ -344,7 +336,7 @@ class WebSocketTransport:
             self._end(TextMessageReceived("text message"))
             return
         sink = self._sink
-        if sink is None or self._queue or not _one_frame(data):
+        if sink is None or self._queue:
             self._queue.append((data, lane))  # for receive(), in order
             self._update_reading()
             self._wake()
