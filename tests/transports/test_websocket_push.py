@@ -70,6 +70,17 @@ async def dial(listener: Listener) -> tuple[ClientConnection, ServerConnection]:
     return client, await listener.accepted.get()
 
 
+async def dial_pushing(
+    listener: Listener,
+) -> tuple[ClientConnection, WebSocketTransport, list[bytes]]:
+    """A client, the server side's transport, and the messages pushed to its sink."""
+    client, accepted = await dial(listener)
+    transport = WebSocketTransport(accepted)
+    seen: list[bytes] = []
+    transport.push_to(lambda data, lane: seen.append(data))
+    return client, transport, seen
+
+
 async def until(condition: Callable[[], bool]) -> None:
     """Yield to the loop until ``condition`` holds (the test's own timeout bounds it)."""
     while not condition():
@@ -101,10 +112,7 @@ async def test_messages_are_pushed_from_data_received_with_no_task_running(
 
 async def test_every_message_goes_to_the_sink_as_it_is(listener: Listener) -> None:
     """The transport does not look inside: the consumer (``receive_frame``) judges a message."""
-    client, accepted = await dial(listener)
-    transport = WebSocketTransport(accepted)
-    seen: list[bytes] = []
-    transport.push_to(lambda data, lane: seen.append(data))
+    client, transport, seen = await dial_pushing(listener)
     await client.send(frame(b"one"))
     await client.send(frame(b"two") + b"extra")
     await client.send(frame(b"three"))
@@ -117,10 +125,7 @@ async def test_every_message_goes_to_the_sink_as_it_is(listener: Listener) -> No
 async def test_a_text_message_ends_the_connection_after_what_came_before(
     listener: Listener,
 ) -> None:
-    client, accepted = await dial(listener)
-    transport = WebSocketTransport(accepted)
-    seen: list[bytes] = []
-    transport.push_to(lambda data, lane: seen.append(data))
+    client, transport, seen = await dial_pushing(listener)
     await client.send(frame(b"one"))
     await client.send("hello")
     with pytest.raises(TextMessageReceived):
@@ -190,10 +195,7 @@ async def test_reading_pauses_while_writes_back_up_and_resumes_when_they_drain(
 async def test_a_peer_that_dies_inside_a_message_fails_the_connection(
     listener: Listener,
 ) -> None:
-    client, accepted = await dial(listener)
-    transport = WebSocketTransport(accepted)
-    seen: list[bytes] = []
-    transport.push_to(lambda data, lane: seen.append(data))
+    client, transport, seen = await dial_pushing(listener)
     await client.send(frame(b"whole"))
     # Half of a binary WebSocket frame (masked, 100-byte payload announced), then the TCP
     # connection drops.
