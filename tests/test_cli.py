@@ -130,7 +130,9 @@ def test_run_script_error_exits_1() -> None:
 
 
 def test_run_waits_on_a_yielding_cell_until_it_completes() -> None:
-    source = b'text("a"); await new Promise(r => setTimeout(r, 1500)); text("b")'
+    # 1,350 ms: between two 300 ms observations, so that "b" and the completion are observed
+    # together (at 1,500 the timer raced the fifth observation's end).
+    source = b'text("a"); await new Promise(r => setTimeout(r, 1350)); text("b")'
     result = codemode("run", "-", "--yield-ms", "300", stdin=source)
     assert result.returncode == 0, result.stderr
     out = result.stdout.decode()

@@ -178,7 +178,9 @@ async def test_s10_terminated_cell_discards_stores(harness: Harness) -> None:
     assert response == Yielded(CellId(cell), [])
     await eventually(lambda: delegate.calls)
     assert await session.terminate(CellId(cell)) == LiveCell(Terminated(CellId(cell), []))
-    assert delegate.cancelled == ["tool-1"]
+    # Cancelled, though not necessarily before the terminate was answered: the upstream host
+    # answers at once (a revoked callback counts as resolved, protocol-v1.md §8.6).
+    await eventually(lambda: delegate.cancelled == ["tool-1"])
     assert (await run(session, 'text(String(load("candidate")))')).content_items == items(
         "undefined"
     )
