@@ -12,7 +12,6 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -62,15 +61,6 @@ async def eventually_gone(pgid: int, timeout: float = 5.0) -> bool:
             return False
         await asyncio.sleep(0.02)
     return True
-
-
-@pytest.fixture
-async def provider() -> AsyncIterator[ProcessOwnedCodeModeSessionProvider]:
-    instance = ProcessOwnedCodeModeSessionProvider()
-    try:
-        yield instance
-    finally:
-        await instance.aclose()
 
 
 def test_default_command() -> None:

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import os
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -37,15 +36,6 @@ def partial_host(mode: str) -> ProcessOwnedCodeModeSessionProvider:
         [sys.executable, "-m", "tests.client.scripted_partial_host", *mode.split()],
         env={**os.environ, "PYTHONPATH": path},
     )
-
-
-@pytest.fixture
-async def provider() -> AsyncIterator[ProcessOwnedCodeModeSessionProvider]:
-    instance = ProcessOwnedCodeModeSessionProvider()
-    try:
-        yield instance
-    finally:
-        await instance.aclose()
 
 
 def text_of(response: Any) -> str:

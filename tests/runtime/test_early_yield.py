@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -46,12 +45,6 @@ class _HeldTool(CodeModeSessionDelegate):
     ) -> JSON:
         self.called.set()
         return await self.release
-
-
-@pytest.fixture
-async def provider() -> AsyncIterator[LocalSessionProvider]:
-    async with LocalSessionProvider() as instance:
-        yield instance
 
 
 def _texts(response: object) -> list[str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -20,12 +19,6 @@ from codemode.runtime import InvalidLimitsError, LocalSession, LocalSessionProvi
 from codemode.session import (
     CodeModeSessionDelegate,
 )
-
-
-@pytest.fixture
-async def provider() -> AsyncIterator[LocalSessionProvider]:
-    async with LocalSessionProvider() as instance:
-        yield instance
 
 
 async def run(

@@ -5,9 +5,6 @@ fresh isolate each, a working prelude, stoppable runaways, heap limits."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-
-import pytest
 
 from codemode.protocol import (
     CodeModeSessionCellExecutionLimits,
@@ -18,12 +15,6 @@ from codemode.protocol import (
 )
 from codemode.runtime import LocalSession, LocalSessionProvider
 from codemode.session import CodeModeSessionDelegate
-
-
-@pytest.fixture
-async def provider() -> AsyncIterator[LocalSessionProvider]:
-    async with LocalSessionProvider() as instance:
-        yield instance
 
 
 async def run(session: LocalSession, source: str) -> Result:
