@@ -82,6 +82,8 @@ async def _start_mcp_servers(
     stack: contextlib.AsyncExitStack, registry: ToolRegistry, servers: list[tuple[str, list[str]]]
 ) -> None:
     """Start each stdio MCP server of ``--mcp`` for the run and register its tools."""
+    if not servers:
+        return  # the MCP SDK takes longer to import than the rest of a run
     try:
         from mcp import StdioServerParameters
 
