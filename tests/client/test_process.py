@@ -8,6 +8,7 @@ the child's whole process group is gone.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import os
 import signal
@@ -231,6 +232,15 @@ async def test_closed_stdout_of_a_living_host_is_k1_and_the_host_is_killed() -> 
         assert provider.host is None
     finally:
         await provider.aclose()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("uvloop") is None, reason="uvloop is not installed")
+def test_closed_stdout_of_a_living_host_is_seen_on_uvloop() -> None:
+    # uvloop's spawn leaves the child copies of its pipes: without the client's preexec, the
+    # host's closed stdout stayed open through a copy and the client waited for ever.
+    import uvloop
+
+    uvloop.run(test_closed_stdout_of_a_living_host_is_k1_and_the_host_is_killed())
 
 
 async def test_limits_not_granted_are_c7_and_stderr_is_logged(

@@ -153,7 +153,7 @@ def run_main(main: Callable[[], Coroutine[Any, Any, _T]], loop: str = "auto") ->
         kind = type(runner.get_loop()).__module__.partition(".")[0]
         logging.getLogger("codemode.cli").debug("event loop: %s", kind)  # --verbose shows it
         if kind == "uvloop":
-            from codemode.runtime.confinement import inherit_nothing
+            from codemode.spawning import inherit_nothing
 
             # What we inherited (e.g. the copy of its stdout a uvloop client's spawn leaves
             # us) would otherwise outlive us in our engines: that client would not see us end.

@@ -24,6 +24,7 @@ from codemode.errors import CodeModeError
 from codemode.protocol.constants import HANDSHAKE_TIMEOUT, SHUTDOWN_TIMEOUT
 from codemode.protocol.texts import host_spawn_failed
 from codemode.protocol.v1.revision import WireRevision
+from codemode.spawning import child_preexec
 from codemode.transports.stream import StreamTransport, pipe_transport
 
 __all__ = ["DEFAULT_HOST_COMMAND", "HostProcess", "ProcessOwnedCodeModeSessionProvider"]
@@ -91,6 +92,7 @@ class HostProcess:
                 stdout=child_out,
                 stderr=asyncio.subprocess.PIPE,
                 start_new_session=True,  # its own process group: killed as a whole
+                preexec_fn=child_preexec(loop),  # its stdout ends when it closes it (uvloop)
                 env=None if env is None else dict(env),
                 limit=_STDERR_LIMIT,
             )
