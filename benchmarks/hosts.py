@@ -259,6 +259,9 @@ def main() -> None:
             mine = statistics.median(figures[ours][key])
             reference = statistics.median(figures[theirs][key])
             ratio = f"{mine / reference:.2f}x"
+            if key in ("b2b", "paced"):  # issue #15's goal lines: the p99s too
+                tail = percentile(figures[ours][key], 99) / percentile(figures[theirs][key], 99)
+                ratio += f" / {tail:.2f}x"
         rows.append((label, cell(ours, key), cell(theirs, key), ratio))
     print_table(
         ("metric", "codemode host (ours)", "upstream host (baseline)", "ours / upstream"),

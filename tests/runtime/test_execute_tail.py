@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from codemode.protocol import (
     CodeModeSessionCellExecutionLimits,
     ExecuteRequest,
@@ -89,3 +91,37 @@ async def test_code_a_completed_cell_left_running_cannot_outlive_it(
         await asyncio.sleep(0.2)
         again = await asyncio.wait_for(run(session, "text('next')"), 10)
         assert again.content_items == [InputText("next")]
+
+
+@pytest.mark.timeout(60)
+async def test_cells_that_come_apart_or_during_the_wait_after_an_end_each_get_a_fresh_isolate(
+    provider: LocalSessionProvider,
+) -> None:
+    # After a cell that came a while after the previous one ended, the engine makes the next
+    # spare (and disposes the completed isolate) a little later; an exec that comes during that
+    # wait takes an isolate made for it and cancels the wait.
+    session = await provider.create_session(CodeModeSessionDelegate())
+    source = (
+        "if (typeof leaked !== 'undefined' || [].polluted) throw new Error('state of an earlier"
+        " cell');\nglobalThis.leaked = 1; Array.prototype.polluted = true; text(String({i}));"
+    )
+    for i in range(12):
+        if i % 3 == 0:
+            await asyncio.sleep(0.02)  # apart: the next end waits before making the spare
+        elif i % 3 == 2:
+            await asyncio.sleep(0.001)  # likely inside that wait
+        result = await asyncio.wait_for(run(session, source.replace("{i}", str(i))), 10)
+        assert result.error_text is None, (i, result.error_text)
+        assert result.content_items == [InputText(str(i))]
+    # A completed cell's leftover code still ends with its isolate after a paced end.
+    await asyncio.sleep(0.02)
+    left = "text('done'); (async () => { for (let i = 0; i < 4; i++) await null; for (;;) {} })();"
+    first = await asyncio.wait_for(run(session, left), 10)
+    assert first.content_items[:1] == [InputText("done")]
+    await asyncio.sleep(0.02)
+    again = await asyncio.wait_for(run(session, "text('next')"), 10)
+    assert again.content_items == [InputText("next")]
+    spinning = await session.execute(ExecuteRequest(tool_call_id="s", source="for (;;) {}"))
+    await asyncio.sleep(0.05)
+    outcome = await asyncio.wait_for(session.terminate(spinning.cell_id), 10)
+    assert isinstance(outcome.response, Terminated)
