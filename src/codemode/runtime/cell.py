@@ -62,8 +62,9 @@ _DECODER: Final = msgspec.json.Decoder()
 MAX_BUFFERED_OUTPUT_CHARS: Final = 16 * 1024 * 1024
 #: What each buffered item counts for besides its characters (bounds floods of empty items).
 ITEM_OVERHEAD_CHARS: Final = 64
-#: Error texts longer than this are cut (a cell can throw a string of any size).
-MAX_ERROR_TEXT_CHARS: Final = 1024 * 1024
+#: Error texts longer than this are cut (a cell can throw a string of any size). As large as the
+#: output one observation may buffer: the upstream host keeps a thrown string of megabytes whole.
+MAX_ERROR_TEXT_CHARS: Final = 16 * 1024 * 1024
 
 
 _FINISHING: set[asyncio.Task[None]] = set()
@@ -72,6 +73,11 @@ _FINISHING: set[asyncio.Task[None]] = set()
 def _log_undelivered(result: CallbackResult) -> None:
     if isinstance(result, CallbackFailed):
         logger.warning("%s", notification_not_delivered(result.message))
+
+
+def _settle(future: asyncio.Future[RuntimeResponse], response: RuntimeResponse) -> None:
+    if not future.done():
+        future.set_result(response)
 
 
 def _spawn(coroutine: Coroutine[Any, Any, None]) -> None:
@@ -198,6 +204,11 @@ class Cell:
         return response
 
     def _arm(self, observer: _Observer) -> None:
+        if observer.yield_ms <= 0:
+            # Yield time 0 yields at once (§13.2), before anything the cell does from here on:
+            # the upstream host's initial response is then always `Yielded` with what was there.
+            self._yield_to(observer)
+            return
         if observer.timer is None:
             observer.timer = self._loop.call_later(
                 observer.yield_ms / 1000, self._yield_to, observer
@@ -247,10 +258,15 @@ class Cell:
     def on_started(self) -> None:
         self._started = True
         if self._observer is not None:
+            if self._observer.yield_ms <= 0:
+                # The observation ends before the cell's first run, which then is one step in
+                # the cell's timeline (decision 0004): a yield_control() in it finds no observer.
+                self._yield_turn = 0
             self._arm(self._observer)
 
     def on_item(self, item: ContentItem) -> None:
-        if self._state is not _State.RUNNING:
+        # An item the cell made before a termination stopped it is part of its `Terminated`.
+        if self._state is not _State.RUNNING and self._state is not _State.TERMINATING:
             return
         self._items.append(item)
         self._buffered += ITEM_OVERHEAD_CHARS
@@ -260,7 +276,7 @@ class Cell:
             self._buffered += len(
                 item.image_url if isinstance(item, InputImage) else item.audio_url
             )
-        if self._buffered > MAX_BUFFERED_OUTPUT_CHARS:
+        if self._buffered > MAX_BUFFERED_OUTPUT_CHARS and self._state is _State.RUNNING:
             self._engine.terminate(self.key)
             self._end(
                 f"exec cell output exceeds the limit of {MAX_BUFFERED_OUTPUT_CHARS} characters"
@@ -433,8 +449,15 @@ class Cell:
                 logger.warning("exec cell %s: the engine did not confirm the stop", self.cell_id)
         response = Terminated(self.cell_id, self._drain())
         self._outcome = "terminated"
-        self._deliver(response)
+        observer, self._observer = self._observer, None
         self._close()
+        if observer is not None:
+            # The attached observer learns of the termination a loop turn after the terminate
+            # returns (before anything else runs), so the terminate is answered first, as the
+            # upstream host answers (checked with a `wait` attached).
+            if observer.timer is not None:
+                observer.timer.cancel()
+            self._loop.call_soon(_settle, observer.future, response)
         return LiveCell(response)
 
     async def wait_closed(self) -> None:

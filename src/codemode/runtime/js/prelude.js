@@ -24,7 +24,6 @@
   const MapCtor = Map;
   const defineProperty = Object.defineProperty;
   const toLower = (s) => StringOf.prototype.toLowerCase.call(s);
-  const trim = (s) => StringOf.prototype.trim.call(s);
   const reTest = (re, s) => RegExp.prototype.test.call(re, s);
   const apply = Reflect.apply;
   const uncurry = Function.prototype.bind.bind(Function.prototype.call);
@@ -39,6 +38,12 @@
   const promiseThen = uncurry(PromiseCtor.prototype.then);
   const ErrorCtor = Error;
   const reExec = (re, s) => RegExp.prototype.exec.call(re, s);
+  const bindFunction = uncurry(Function.prototype.bind);
+  const stringSlice = uncurry(StringOf.prototype.slice);
+  const stringIndexOf = uncurry(StringOf.prototype.indexOf);
+  const numberToString = uncurry(NumberOf.prototype.toString);
+  const hex = (code) => numberToString(code, 16);
+  const ObjectCtor = Object;
 
   for (const name of ['console', 'Atomics', 'SharedArrayBuffer', 'WebAssembly']) {
     delete g[name];
@@ -73,15 +78,17 @@
     }
     return kept.join('\n');
   }
+  // A value JavaScript cannot convert to a string (a symbol, an object without usable toString
+  // or valueOf) has the empty text, as on the upstream host.
   function errorText(value) {
     try {
       if (value !== null && (typeof value === 'object' || typeof value === 'function')) {
         const stack = value.stack;
         if (typeof stack === 'string') return cleanStack(stack);
       }
-      return StringOf(value);
+      return `${value}`;
     } catch (error) {
-      return 'uncaught exception';
+      return '';
     }
   }
 
@@ -99,6 +106,65 @@
       throw errorText(error);
     }
     return text === undefined ? 'undefined' : text; // functions, symbols (checked upstream)
+  }
+
+  // -- JSON the host would not accept ------------------------------------------------------------
+  // The upstream host parses the JSON text of a tool input or a stored value with a parser that
+  // refuses a lone surrogate escape (JSON.stringify writes one for a lone surrogate) and nesting
+  // 128 deep. Its texts, with the place given as the parser gives it: line 1 (JSON.stringify
+  // writes no newline), the column in UTF-8 bytes of the last byte read.
+  const SERIALIZE_FAILED = 'failed to serialize JavaScript value: ';
+  const EXPECTED_VALUE = SERIALIZE_FAILED + 'expected value at line 1 column 1';
+  const MAX_JSON_DEPTH = 128;
+
+  function hexAt(json, at) {
+    const value = NumberOf('0x' + stringSlice(json, at, at + 4));
+    return value === value ? value : -1;
+  }
+
+  // The host's refusal of `json` (JSON.stringify output), or null.
+  function jsonRefusal(json) {
+    const n = json.length;
+    if (n < MAX_JSON_DEPTH && stringIndexOf(json, '\\u') < 0) return null;
+    let column = 0;
+    let depth = 0;
+    let inString = false;
+    const refuse = (what, at) => SERIALIZE_FAILED + what + ' at line 1 column ' + at;
+    for (let i = 0; i < n; i++) {
+      const code = charCodeAt(json, i);
+      column += code < 0x80 ? 1 : code < 0x800 || (code >= 0xd800 && code <= 0xdfff) ? 2 : 3;
+      if (!inString) {
+        if (code === 0x5b || code === 0x7b) { // [ {
+          depth++;
+          if (depth >= MAX_JSON_DEPTH) return refuse('recursion limit exceeded', column);
+        } else if (code === 0x5d || code === 0x7d) {
+          depth--;
+        } else if (code === 0x22) {
+          inString = true;
+        }
+        continue;
+      }
+      if (code === 0x22) {
+        inString = false;
+      } else if (code === 0x5c) { // backslash: escapes are ASCII, one byte a character
+        i++;
+        column++;
+        if (charCodeAt(json, i) !== 0x75) continue; // not \\u
+        const unit = hexAt(json, i + 1);
+        i += 4;
+        column += 4;
+        if (unit >= 0xdc00 && unit <= 0xdfff) return refuse('lone leading surrogate in hex escape', column);
+        if (unit < 0xd800 || unit > 0xdbff) continue;
+        // A high surrogate must be followed by `\\u` and a low one.
+        if (charCodeAt(json, i + 1) !== 0x5c) return refuse('unexpected end of hex escape', column + 1);
+        if (charCodeAt(json, i + 2) !== 0x75) return refuse('unexpected end of hex escape', column + 2);
+        const low = hexAt(json, i + 3);
+        i += 6;
+        column += 6;
+        if (low < 0xdc00 || low > 0xdfff) return refuse('lone leading surrogate in hex escape', column);
+      }
+    }
+    return null;
   }
 
   // -- cell state --------------------------------------------------------------------------------
@@ -204,6 +270,37 @@
     return value !== null && typeof value === 'object' && !isArray(value);
   }
 
+  // What a media helper reads of its argument, as the upstream host does: the URL property and
+  // the detail, each read once; without a URL the argument's JSON (JSON.stringify's view: own
+  // properties, toJSON()), read as an MCP block. A function or an object whose toJSON() gives
+  // undefined has no JSON and throws. Anything else: null.
+  const MCP_KEYS = ['type', 'data', 'mimeType', 'mime_type', '_meta'];
+  function mediaFields(value, urlKey) {
+    if ((typeof value !== 'object' && typeof value !== 'function') || value === null || isArray(value)) {
+      return null;
+    }
+    const fields = { __proto__: null };
+    const url = value[urlKey];
+    if (url !== undefined) {
+      fields[urlKey] = url;
+      if (urlKey === 'image_url') fields.detail = value.detail;
+      return fields;
+    }
+    let json;
+    try {
+      json = stringify(value);
+    } catch (error) {
+      throw errorText(error);
+    }
+    if (json === undefined) throw EXPECTED_VALUE;
+    const refusal = jsonRefusal(json);
+    if (refusal !== null) throw refusal;
+    const block = parse(json);
+    if (!isPlainObject(block)) return null;
+    for (let i = 0; i < MCP_KEYS.length; i++) fields[MCP_KEYS[i]] = block[MCP_KEYS[i]];
+    return fields;
+  }
+
   function mcpDataUrl(block, missingData) {
     const data = block.data;
     if (typeof data !== 'string' || data === '') throw missingData;
@@ -219,6 +316,12 @@
     return colon < 0 ? null : toLower(StringOf.prototype.slice.call(url, 0, colon));
   }
 
+  function checkDetailType(detail) {
+    if (detail !== undefined && detail !== null && typeof detail !== 'string') {
+      throw 'image detail must be a string when provided';
+    }
+  }
+
   function checkDetail(detail) {
     if (detail === undefined || detail === null) return undefined;
     if (typeof detail !== 'string') throw 'image detail must be a string when provided';
@@ -227,17 +330,18 @@
     return lowered;
   }
 
+  // `value`: a string, or the fields (mediaFields) of an object, or null for anything else.
   function imageItem(value, detailArgument) {
     let url;
     let embedded;
     let metaDetail;
     if (typeof value === 'string') {
       url = value;
-    } else if (isPlainObject(value) && value.image_url !== undefined) {
+    } else if (value !== null && value.image_url !== undefined) {
       if (typeof value.image_url !== 'string') throw IMAGE_ANY;
       url = value.image_url;
       embedded = value.detail;
-    } else if (isPlainObject(value) && typeof value.type === 'string') {
+    } else if (value !== null && typeof value.type === 'string') {
       if (value.type !== 'image') throw 'image only accepts MCP image blocks, got "' + value.type + '"';
       url = mcpDataUrl(value, 'image expected MCP image data');
       const meta = value._meta;
@@ -252,24 +356,28 @@
       throw 'Tool call failed: remote image URLs are not supported in tool outputs. Pass a base64 data URI instead';
     }
     if (scheme !== 'data') throw 'Tool call failed: invalid image output. Pass a base64 data URI instead';
-    const fromObject = checkDetail(embedded);
+    // Both must be strings if given; only the one used must name a detail (as upstream).
+    checkDetailType(embedded);
+    checkDetailType(detailArgument);
     const fromArgument = checkDetail(detailArgument);
+    const fromObject = fromArgument === undefined ? checkDetail(embedded) : undefined;
     const detail = fromArgument !== undefined ? fromArgument : (fromObject !== undefined ? fromObject : metaDetail);
     return [url, detail === undefined ? 'high' : detail];
   }
 
   function image(value, detail) {
-    const [url, resolved] = imageItem(value, detail);
+    const [url, resolved] = imageItem(typeof value === 'string' ? value : mediaFields(value, 'image_url'), detail);
     emit('input_image', url, resolved);
   }
 
   function generatedImage(result) {
+    if (typeof result === 'function') throw EXPECTED_VALUE;
     if (!isPlainObject(result)) throw 'generatedImage expects an image generation result object';
     const hint = result.output_hint;
     if (hint !== undefined && typeof hint !== 'string') {
       throw 'generatedImage output_hint must be a string when provided';
     }
-    const [url, detail] = imageItem(result, undefined);
+    const [url, detail] = imageItem(mediaFields(result, 'image_url'), undefined);
     emit('input_image', url, detail);
     if (hint !== undefined) emit('input_text', hint);
   }
@@ -277,14 +385,15 @@
   const SHORT_AUDIO = 'Audio output omitted because the clip is shorter than 25 ms; use a longer clip.';
   const BASE64_DATA_URL = /^data:[^,]*;base64,/i;
 
-  function audio(value) {
+  function audio(argument) {
     let url;
+    const value = typeof argument === 'string' ? argument : mediaFields(argument, 'audio_url');
     if (typeof value === 'string') {
       url = value;
-    } else if (isPlainObject(value) && value.audio_url !== undefined) {
+    } else if (value !== null && value.audio_url !== undefined) {
       if (typeof value.audio_url !== 'string') throw AUDIO_ANY;
       url = value.audio_url;
-    } else if (isPlainObject(value) && typeof value.type === 'string') {
+    } else if (value !== null && typeof value.type === 'string') {
       if (value.type !== 'audio') throw 'audio only accepts MCP audio blocks, got "' + value.type + '"';
       url = mcpDataUrl(value, 'audio expected MCP audio data');
     } else {
@@ -374,6 +483,15 @@
   const RESERVED_KEYS = ['$serde_json::private::RawValue', '$serde_json::private::Number'];
   const RESERVED = {};
 
+  // Rust's debug escaping writes \u{…} for every character that is not printable (a control,
+  // format, private-use, unassigned or surrogate code point, a line or paragraph separator, any
+  // space but U+0020) and for every grapheme extender. Its Unicode tables differ from this
+  // engine's in a few characters (compared over every code point with the upstream host).
+  // Made on first use: building this class of Unicode properties takes ≈0.3 ms, which every
+  // isolate would pay while the prelude is installed, for a text few cells ever need.
+  let escapedInDebug = null;
+  const escapedInDebugPattern = () => escapedInDebug || (escapedInDebug =
+    /^(?![\uff9e\uff9f])[\p{Cc}\p{Cf}\p{Cs}\p{Co}\p{Cn}\p{Zl}\p{Zp}\p{Zs}\p{Grapheme_Extend}\u115f\u1160\u3164\uffa0]$/u);
   function debugQuote(key) {
     let out = '"';
     for (let i = 0; i < key.length; i++) {
@@ -386,7 +504,7 @@
       else if (ch === '\r') out += '\\r';
       else if (ch === '\n') out += '\\n';
       else if (ch === '\0') out += '\\0';
-      else if (code < 0x20 || (code >= 0x7f && code <= 0x9f)) out += '\\u{' + code.toString(16) + '}';
+      else if (ch !== ' ' && reTest(escapedInDebugPattern(), ch)) out += '\\u{' + hex(code) + '}';
       else out += ch;
     }
     return out + '"';
@@ -399,8 +517,20 @@
     return value;
   }
 
+  // A key is its JavaScript string (ToString; lone surrogates become U+FFFD, as the upstream host
+  // stores it); one that has none throws (upstream's texts).
+  function keyName(key, refusal) {
+    let name;
+    try {
+      name = `${key}`;
+    } catch (error) {
+      throw refusal;
+    }
+    return toWellFormed(name);
+  }
+
   function store(key, value) {
-    const name = `${key}`;
+    const name = keyName(key, 'store key must be a string');
     let serialized;
     try {
       serialized = stringify(value, rejectReserved);
@@ -409,11 +539,13 @@
       throw errorText(error);
     }
     if (serialized === undefined) {
-      if (typeof value === 'function' || typeof value === 'symbol') {
-        throw 'failed to serialize JavaScript value: expected value at line 1 column 1';
-      }
+      // Only `undefined` itself is "unable to store"; a function, a symbol or a toJSON() that
+      // returns undefined fail in the host's parser (both checked upstream).
+      if (value !== undefined) throw EXPECTED_VALUE;
       throw 'Unable to store ' + debugQuote(name) + '. Only plain serializable objects can be stored.';
     }
+    const refusal = jsonRefusal(serialized);
+    if (refusal !== null) throw refusal;
     if (finished) return;
     const previous = mapGet(written, name);
     const grown = storeChars + name.length + serialized.length -
@@ -427,14 +559,16 @@
   }
 
   function load(key) {
-    const serialized = mapGet(stored, `${key}`);
+    const serialized = mapGet(stored, keyName(key, 'load key must be a string'));
     return serialized === undefined ? undefined : parse(serialized);
   }
 
   // -- notify / yield / exit (§7-§9) --------------------------------------------------------------
+  // Blank: Unicode White_Space only (the upstream host's trim), not JavaScript's trim().
+  const BLANK = /^\p{White_Space}*$/u;
   function notify(value) {
     const message = valueToText(value);
-    if (trim(message) === '') throw 'notify expects non-empty text';
+    if (reTest(BLANK, message)) throw 'notify expects non-empty text';
     if (finished) return;
     if (notifyBudget <= 0) throw 'notify exceeded the limit of ' + MAX_NOTIFICATIONS + ' notifications per cell';
     notifyBudget--;
@@ -461,7 +595,7 @@
   // -- timers (§10) ------------------------------------------------------------------------------
   function setTimeout(callback, delay) {
     if (typeof callback !== 'function') throw 'setTimeout expects a function callback';
-    let ms = NumberOf(delay);
+    let ms = +delay; // ToNumber: a bigint or a symbol throws its TypeError (as upstream)
     ms = !isFiniteNumber(ms) || ms <= 0 ? 0 : trunc(ms);
     const id = nextTimer++;
     if (finished) return id;
@@ -471,12 +605,15 @@
     return id;
   }
 
+  // An id without a number (ToNumber throws: a symbol, a bigint, an object whose valueOf throws)
+  // is refused; any other is converted and looked up.
   function clearTimeout(id) {
-    if (typeof id === 'symbol' || typeof id === 'bigint') {
+    let number;
+    try {
+      number = +id;
+    } catch (error) {
       throw 'clearTimeout expects a numeric timeout id';
     }
-    if (id === undefined || id === null) return;
-    const number = NumberOf(id);
     if (number !== number || !isFiniteNumber(number) || number <= 0) return;
     const key = trunc(number);
     if (mapDelete(timers, key)) hostClearTimer(key);
@@ -486,14 +623,24 @@
   function makeTool(index) {
     return function (...args) {
       // JSON round trip of the argument; a throw here happens before any promise exists.
+      // No argument or `undefined`: no input. Anything else JSON.stringify turns into nothing (a
+      // function, a symbol, a toJSON() returning undefined) throws, as do what JSON.stringify
+      // throws (as its text) and JSON the upstream host refuses: what that host does, checked
+      // against its releases, beside runtime.md §4.3's text.
       const argument = args[0];
-      if (typeof argument === 'function' || typeof argument === 'symbol') {
-        // What the upstream host does (both releases checked), against runtime.md §4.3's text.
-        throw 'failed to serialize JavaScript value: expected value at line 1 column 1';
-      }
-      const input = args.length === 0 ? undefined : stringify(argument);
-      if (input !== undefined && input.length > MAX_TOOL_INPUT_CHARS) {
-        throw 'tool input of ' + input.length + ' characters exceeds the limit of ' + MAX_TOOL_INPUT_CHARS + ' characters';
+      let input;
+      if (argument !== undefined) {
+        try {
+          input = stringify(argument);
+        } catch (error) {
+          throw errorText(error);
+        }
+        if (input === undefined) throw EXPECTED_VALUE;
+        if (input.length > MAX_TOOL_INPUT_CHARS) {
+          throw 'tool input of ' + input.length + ' characters exceeds the limit of ' + MAX_TOOL_INPUT_CHARS + ' characters';
+        }
+        const refusal = jsonRefusal(input);
+        if (refusal !== null) throw refusal;
       }
       if (pendingCalls.size >= MAX_PENDING_CALLS) {
         // Refused like any call over a limit (a rejection), without a word to the host.
@@ -513,6 +660,19 @@
     defineProperty(g, name, { value, writable: true, configurable: true, enumerable: true });
   }
 
+  // The helpers and tools look like the upstream host's functions, made in native code: no name,
+  // no declared parameters, `function () { [native code] }` as their source text (a bound
+  // function's), and a prototype object.
+  function opaque(fn) {
+    const f = bindFunction(fn, undefined);
+    defineProperty(f, 'name', { value: '', configurable: true });
+    defineProperty(f, 'length', { value: 0, configurable: true });
+    const prototype = {};
+    defineProperty(prototype, 'constructor', { value: f, writable: true, configurable: true });
+    defineProperty(f, 'prototype', { value: prototype, writable: true });
+    return f;
+  }
+
   // -- the host's way in ---------------------------------------------------------------------------
   // `turn` counts the host's entries into the isolate: two yield_control() calls in one
   // uninterrupted run of the cell share a turn (decision 0004).
@@ -522,25 +682,29 @@
     const config = parse(configJson);
     const tools = {};
     for (const [identifier, index] of config.tools) {
-      tools[identifier] = makeTool(index); // the last tool with an identifier wins
+      // The last tool with an identifier wins. Defined, not assigned: a tool named `__proto__`
+      // is a property like any other (as on upstream 0.171.0).
+      defineProperty(tools, identifier, {
+        value: opaque(makeTool(index)), writable: true, enumerable: true, configurable: true,
+      });
     }
     // Enumerable, in the upstream host's order (what `Object.keys(globalThis)` shows).
     install('tools', tools);
     install('ALL_TOOLS', config.all);
-    install('clearTimeout', clearTimeout);
-    install('setTimeout', setTimeout);
-    install('text', text);
-    install('image', image);
-    install('audio', audio);
-    install('generatedImage', generatedImage);
+    install('clearTimeout', opaque(clearTimeout));
+    install('setTimeout', opaque(setTimeout));
+    install('text', opaque(text));
+    install('image', opaque(image));
+    install('audio', opaque(audio));
+    install('generatedImage', opaque(generatedImage));
     if (config.store !== null) {
       for (const [key, serialized] of config.store) mapSet(stored, key, serialized);
-      install('store', store);
-      install('load', load);
+      install('store', opaque(store));
+      install('load', opaque(load));
     }
-    install('notify', notify);
-    install('yield_control', yield_control);
-    install('exit', exit);
+    install('notify', opaque(notify));
+    install('yield_control', opaque(yield_control));
+    install('exit', opaque(exit));
     if (config.console) install('console', makeConsole());
   }
 

@@ -1,0 +1,311 @@
+"""Wire fidelity: the frames our host sends beside those of the upstream host, for the same bytes.
+
+Each case is a script of raw V1 frames (with pauses) written to a fresh host process — ours,
+``codemode host --stdio``, and the upstream binary (``tests/upstream.py`` fetches it once; the test
+skips without it) — in the wire revision of that release. What each host writes back, decoded and
+with the timing fields of the ``latest`` revision masked, must be the same, frame for frame and in
+order, and so must the exit status; except for the cases in ``DIFFERENCES``, where the pinned
+specification chose otherwise on purpose (each reason also in ``docs/interop.md``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import struct
+import sys
+from dataclasses import dataclass
+from typing import Any, Final
+
+import pytest
+
+from tests.upstream import DEFAULT_VERSION, LATEST_VERSION, unavailable_reason, upstream_host
+
+Step = tuple[str, Any]  # ("send", message or raw payload bytes) | ("sleep", seconds)
+
+HELLO: Final = {
+    "type": "connection/hello",
+    "supportedVersions": [1],
+    "requiredCapabilities": [],
+    "optionalCapabilities": ["session-cell-execution-resource-limits"],
+}
+ECHO: Final = {
+    "name": "echo",
+    "tool_name": {"name": "echo", "namespace": None},
+    "description": "Echo",
+    "kind": "function",
+    "input_schema": None,
+    "output_schema": None,
+}
+_TIMING: Final = re.compile(r'"(code_mode_host_duration_ns|result_buffered_for_ns)":\d+')
+
+
+def send(message: dict[str, Any] | bytes) -> Step:
+    return ("send", message)
+
+
+def pause(seconds: float) -> Step:
+    return ("sleep", seconds)
+
+
+def request(request_id: int, body: dict[str, Any]) -> Step:
+    return send({"type": "operation/request", "id": request_id, "request": body})
+
+
+def open_session(request_id: int, **fields: Any) -> Step:
+    return request(request_id, {"method": "session/open", "sessionId": "s1", **fields})
+
+
+def execute(request_id: int, source: str, yield_ms: int | None = 2000, **fields: Any) -> Step:
+    body = {
+        "tool_call_id": "call-1",
+        "enabled_tools": [],
+        "source": source,
+        "yield_time_ms": yield_ms,
+        "max_output_tokens": None,
+        **fields,
+    }
+    return request(request_id, {"method": "session/execute", "sessionId": "s1", "request": body})
+
+
+def wait(request_id: int, cell: str, yield_ms: int = 100) -> Step:
+    body = {"cell_id": cell, "yield_time_ms": yield_ms}
+    return request(request_id, {"method": "session/wait", "sessionId": "s1", "request": body})
+
+
+def terminate(request_id: int, cell: str) -> Step:
+    body = {"method": "session/terminate", "sessionId": "s1", "cellId": cell}
+    return request(request_id, body)
+
+
+def delegate_response(delegate_id: int, value: dict[str, Any]) -> Step:
+    result = {"status": "ok", "value": value}
+    return send({"type": "delegate/response", "id": delegate_id, "result": result})
+
+
+OPENED: Final = [send(HELLO), pause(0.2), open_session(1), pause(0.3)]
+
+CASES: Final[dict[str, list[Step]]] = {
+    # Yield time 0 yields at once, before the cell's first run: `Yielded` with nothing, always.
+    "session limit maxYieldTimeMs 0": [
+        send(HELLO),
+        pause(0.2),
+        open_session(1, cellExecutionLimits={"maxYieldTimeMs": 0}),
+        pause(0.3),
+        execute(2, "text(1)"),
+        pause(0.5),
+    ],
+    "execute with yield_time_ms 0, then wait": [
+        *OPENED,
+        execute(2, 'text("a"); yield_control(); text("b")', yield_ms=0),
+        pause(0.5),
+        wait(3, "1"),
+        pause(0.5),
+    ],
+    # A terminate is answered before the observer it ends.
+    "terminate while a wait is attached": [
+        *OPENED,
+        execute(2, "await new Promise(() => {})", yield_ms=100),
+        pause(0.4),
+        wait(3, "1", yield_ms=3000),
+        pause(0.2),
+        wait(4, "1"),
+        pause(0.2),
+        terminate(5, "1"),
+        pause(0.5),
+    ],
+    "terminate during the initial response": [
+        *OPENED,
+        execute(2, "await new Promise(() => {})", yield_ms=5000),
+        pause(0.3),
+        terminate(3, "1"),
+        pause(0.5),
+    ],
+    "wait and terminate on a finished cell": [
+        *OPENED,
+        execute(2, 'text("hi")'),
+        pause(0.5),
+        wait(3, "1"),
+        pause(0.2),
+        terminate(4, "1"),
+        pause(0.3),
+    ],
+    "unknown cell and unknown session": [
+        *OPENED,
+        wait(2, "9"),
+        pause(0.2),
+        terminate(3, ""),
+        pause(0.2),
+        request(4, {"method": "session/shutdown", "sessionId": "nope"}),
+        pause(0.3),
+    ],
+    "a tool named __proto__": [
+        *OPENED,
+        execute(
+            2,
+            "text(Object.keys(tools)); text(typeof tools.__proto__); text(JSON.stringify(ALL_TOOLS))",
+            enabled_tools=[{**ECHO, "name": "__proto__"}, {**ECHO, "name": "constructor"}],
+        ),
+        pause(0.5),
+    ],
+    # What the pinned specification decides differently (DIFFERENCES).
+    "limits null": [send(HELLO), pause(0.2), open_session(1, cellExecutionLimits=None)],
+    "hello offering the capabilities of 0.171.0": [
+        send(
+            {
+                **HELLO,
+                "optionalCapabilities": [
+                    "bounded-output-v1",
+                    "delegate-capacity-4096",
+                    "session-cell-execution-resource-limits",
+                    "tool-catalog-revision-v1",
+                    "yield-observation",
+                ],
+            }
+        ),
+        pause(0.3),
+    ],
+    "negative max_output_tokens": [
+        *OPENED,
+        execute(2, "text(1)", max_output_tokens=-1),
+        pause(0.3),
+    ],
+    "heap limit 0": [
+        send(HELLO),
+        pause(0.2),
+        open_session(1, cellExecutionLimits={"maxHeapSizeBytes": 0}),
+        pause(0.3),
+    ],
+    "limits without the capability": [
+        send({**HELLO, "optionalCapabilities": []}),
+        pause(0.2),
+        open_session(1, cellExecutionLimits={}),
+        pause(0.3),
+    ],
+    "tool namespace missing": [
+        *OPENED,
+        execute(2, "text(1)", enabled_tools=[{**ECHO, "tool_name": {"name": "echo"}}]),
+        pause(0.5),
+    ],
+    "delegate response for a resolved id": [
+        *OPENED,
+        execute(2, "text(JSON.stringify(await tools.echo({})))", enabled_tools=[ECHO]),
+        pause(0.5),
+        delegate_response(1, {"type": "tool/result", "result": 1}),
+        pause(0.5),
+        delegate_response(1, {"type": "tool/result", "result": 1}),
+        pause(0.3),
+    ],
+    "notification/delivered with an extra key": [
+        *OPENED,
+        execute(2, 'notify("n"); text("t")'),
+        pause(0.5),
+        delegate_response(1, {"type": "notification/delivered", "x": 1}),
+        pause(0.5),
+    ],
+}
+
+_DECISION_7 = "protocol-v1.md §2.3 Decision 7: "
+#: Cases whose frames differ on purpose (case → why), on both releases.
+DIFFERENCES: Final[dict[str, str]] = {
+    "limits null": _DECISION_7 + "an explicit null for an O field is rejected (a connection "
+    "error); upstream opens the session",
+    "tool namespace missing": _DECISION_7 + "a missing N field is rejected; upstream runs the cell",
+    "heap limit 0": "runtime.md §13.10 Decision: maxHeapSizeBytes 0 is refused; upstream opens",
+    "limits without the capability": "protocol-v1.md §8.2 Decision 17 (H9); upstream opens",
+    "delegate response for a resolved id": "protocol-v1.md §8.6 Decision 21: a connection "
+    "error; upstream ignores the second response",
+    "notification/delivered with an extra key": "protocol-v1.md §2.3 Decision 8: a connection "
+    "error; upstream accepts it",
+}
+
+#: Differences of one release only (release → case → why).
+RELEASE_DIFFERENCES: Final[dict[str, dict[str, str]]] = {
+    DEFAULT_VERSION: {
+        "a tool named __proto__": "0.149.0 assigns the tool, which sets the prototype of "
+        "`tools`; 0.171.0 (followed) defines it as a property",
+    },
+    LATEST_VERSION: {
+        "hello offering the capabilities of 0.171.0": "0.171.0 grants bounded-output-v1, "
+        "delegate-capacity-4096, tool-catalog-revision-v1 and yield-observation, which the "
+        "pinned specification does not define",
+        "negative max_output_tokens": "0.171.0 says `number too small to fit in target type`; "
+        "protocol-v1.md §5 pins `out of range integral type conversion attempted` (0.149.0's)",
+    },
+}
+
+
+@dataclass
+class Exchange:
+    frames: list[str]
+    status: int | None
+
+
+def frame(message: dict[str, Any] | bytes) -> bytes:
+    payload = (
+        message
+        if isinstance(message, bytes)
+        else json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode()
+    )
+    return struct.pack("<I", len(payload)) + payload
+
+
+async def exchange(command: list[str], script: list[Step]) -> Exchange:
+    """Run ``script`` against a fresh host: what it wrote (timing masked) and its exit status."""
+    process = await asyncio.create_subprocess_exec(
+        *command,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    assert process.stdin is not None and process.stdout is not None
+    try:
+        for kind, value in script:
+            if kind == "sleep":
+                await asyncio.sleep(value)
+                continue
+            try:
+                process.stdin.write(frame(value))
+                await process.stdin.drain()
+            except (BrokenPipeError, ConnectionResetError):
+                break  # the host ended the connection: what it wrote is the answer
+        await asyncio.sleep(0.3)
+        process.stdin.close()
+        output = await asyncio.wait_for(process.stdout.read(), 20)
+        status = await asyncio.wait_for(process.wait(), 20)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    frames = []
+    while len(output) >= 4:
+        (size,) = struct.unpack("<I", output[:4])
+        frames.append(_TIMING.sub(r'"\1":0', output[4 : 4 + size].decode()))
+        output = output[4 + size :]
+    return Exchange(frames, status)
+
+
+def ours(version: str) -> list[str]:
+    revision = "pinned" if version == DEFAULT_VERSION else "latest"
+    return [sys.executable, "-m", "codemode", "host", "--stdio", "--wire-revision", revision]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("version", [DEFAULT_VERSION, LATEST_VERSION])
+async def test_hosts_answer_the_same_frames(version: str) -> None:
+    binary = upstream_host(version)
+    if binary is None:
+        pytest.skip(unavailable_reason(version))
+    theirs_command = [str(binary), "--listen", "stdio"]
+    expected = {**DIFFERENCES, **RELEASE_DIFFERENCES[version]}
+    unexpected = []
+    for name, script in CASES.items():
+        mine, theirs = await asyncio.gather(
+            exchange(ours(version), script), exchange(theirs_command, script)
+        )
+        if name in expected:
+            assert mine != theirs, f"now equal on {version}, drop it: {name}"
+        elif mine != theirs:
+            unexpected.append(f"{name}:\n  ours   {mine}\n  theirs {theirs}")
+    assert not unexpected, "\n".join(unexpected)
