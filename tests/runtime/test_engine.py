@@ -83,6 +83,17 @@ async def test_zero_heap_limit_is_refused(provider: LocalSessionProvider) -> Non
     assert isinstance(caught.value, CodeModeError)
 
 
+async def test_a_heap_limit_above_the_engine_cap_runs_cells(provider: LocalSessionProvider) -> None:
+    # The largest limit the wire can carry (u64): the engine's memory cap bounds it (it used to
+    # overflow the isolate's limit, and the cell died).
+    session = await provider.create_session_with_limits(
+        CodeModeSessionDelegate(),
+        CodeModeSessionCellExecutionLimits(max_heap_size_bytes=2**64 - 1),
+    )
+    result = await run(provider, "text(new Array(1000).fill(7).length)", session)
+    assert (result.content_items, result.error_text) == ([InputText("1000")], None)
+
+
 async def test_many_cells_in_many_sessions_run_concurrently(provider: LocalSessionProvider) -> None:
     sessions = [await provider.create_session(CodeModeSessionDelegate()) for _ in range(4)]
     starts = [

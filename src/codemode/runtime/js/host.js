@@ -269,11 +269,12 @@ class Cell {
 }
 
 // The cell runs as the body of an async function (so the prelude can observe how it ends and
-// turn what it threw into text inside the isolate). The header sits on line 0 so that line and
-// column numbers are those of the source the model wrote.
+// turn what it threw into text inside the isolate). The header shares the source's first line and
+// is taken off its columns (columnOffset), so that every line and column, an eval's origin and
+// the lines under a `//# sourceURL` are those of the source the model wrote.
 // The renamed dynamic imports (see renameDynamicImports) resolve to the wrapper's parameter, not
 // to a global.
-const WRAP_HEAD = "(function ($imprt) { return async function () {'use strict';\n";
+const WRAP_HEAD = "(function ($imprt) { return async function () {'use strict';";
 const WRAP_TAIL = '\n}; })';
 
 // A fresh isolate with the prelude installed, made while nothing waits for it: the next cell
@@ -308,7 +309,8 @@ function prepare(limit) {
   if (preludeCache === null) preludeCache = prelude.cachedData || null;
   else if (prelude.cachedDataRejected) preludeCache = null; // made anew by the next compile
   const install = prelude.runSync(cell.context, { reference: true });
-  cell.entry = install.applySync(undefined, cell.callbacks(), { result: { reference: true } });
+  cell.entry = install.applySync(undefined, [...cell.callbacks(), WRAP_HEAD.length],
+    { result: { reference: true } });
   return cell;
 }
 
@@ -338,9 +340,12 @@ function exec(message) {
     if (retired.length > 0) setImmediate(disposeRetired);
   }
   const heap = message.heap;
+  // A heap limit above the process's memory cap could never be reached (and one near 2^64 bytes
+  // overflows isolated-vm's arithmetic): the cap bounds it.
+  const capMb = Math.max(MIN_ISOLATE_MB, Math.floor(MEMORY_CAP / (1024 * 1024)));
   const limit = heap === null || heap === undefined
-    ? Math.max(MIN_ISOLATE_MB, Math.floor(MEMORY_CAP / (1024 * 1024)))
-    : Math.max(MIN_ISOLATE_MB, heap);
+    ? capMb
+    : Math.min(Math.max(MIN_ISOLATE_MB, heap), capMb);
   let cell;
   try {
     cell = takeIsolate(limit);
@@ -382,10 +387,14 @@ function exec(message) {
   }
   if (error === null) {
     try {
-      const body = renameDynamicImports(message.source);
+      // A module may start with a hashbang line (the check above accepted it); a function body
+      // may not: it becomes a comment of the same length.
+      const source = message.source.startsWith('#!')
+        ? '//' + message.source.slice(2) : message.source;
+      const body = renameDynamicImports(source);
       const script = cell.isolate.compileScriptSync(WRAP_HEAD + body + WRAP_TAIL, {
         filename: 'exec_main.mjs',
-        lineOffset: -1,
+        columnOffset: -WRAP_HEAD.length,
       });
       fn = script.runSync(cell.context, { reference: true });
     } catch (thrown) {
@@ -536,7 +545,12 @@ function terminate(id) {
     return;
   }
   cell.stopping = true;
-  cell.exit('stopped');
+  // The cell's code stops now; its end is reported once what it made before the stop (items
+  // queued for this thread by its isolate) has been forwarded, as part of its `Terminated`: the
+  // rejection of an entry in flight comes after them (failed() then ends the cell), and two
+  // turns later (one poll of this thread's queue in between) it ends anyway.
+  if (cell.isolate !== null && !cell.isolate.isDisposed) dispose(cell.isolate);
+  setImmediate(() => setImmediate(() => cell.exit('stopped')));
 }
 
 // -- runaway isolates ----------------------------------------------------------------------------

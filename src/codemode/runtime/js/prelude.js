@@ -8,7 +8,7 @@
 // argument a cell passes is read once, so overriding built-ins or passing getters and proxies can
 // only change what that cell itself sees.
 (function installPrelude(hostItem, hostCall, hostNotify, hostYield, hostFinish, hostSetTimer,
-  hostClearTimer) {
+  hostClearTimer, wrapColumns) {
   'use strict';
 
   const g = globalThis;
@@ -70,11 +70,18 @@
   // Frames of the host's own files say nothing to a model; the cell's frames (exec_main.mjs) stay.
   // The prelude's own frames, and the frame of the captured JSON.stringify it calls.
   const HOST_FRAME = /^\s+at (.*codemode-prelude\.js|stringify \(<anonymous>\)$)/;
+  // The cell's first line shares its line with the host's wrapper (`wrapColumns` characters,
+  // taken off every position V8 reports there) — but for the origin of an eval, which V8 gives
+  // unadjusted: it is adjusted here.
+  const EVAL_ORIGIN_ON_LINE_1 = /(eval at [^()]*\(exec_main\.mjs:1:)(\d+)\)/g;
+  const shiftColumn = (match, head, column) => head + (NumberOf(column) - wrapColumns) + ')';
   function cleanStack(stack) {
     const lines = StringOf.prototype.split.call(stack, '\n');
     const kept = [];
     for (const line of lines) {
-      if (!reTest(HOST_FRAME, line)) kept.push(line);
+      if (!reTest(HOST_FRAME, line)) {
+        kept.push(StringOf.prototype.replace.call(line, EVAL_ORIGIN_ON_LINE_1, shiftColumn));
+      }
     }
     return kept.join('\n');
   }
