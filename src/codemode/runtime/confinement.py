@@ -20,7 +20,6 @@ aarch64 gets the kernel layers, and :func:`probe` says which layers this machine
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import os
@@ -615,30 +614,6 @@ class _Confine:
             self._close(ruleset)
         if self._seccomp and self._syscall(*self._seccomp_args) != 0:
             self._fail(b"seccomp(SECCOMP_SET_MODE_FILTER)")
-
-
-def inherit_nothing() -> None:
-    """Make every descriptor of this process above stderr close-on-exec.
-
-    uvloop spawns children without ``close_fds`` (asyncio closes them): a descriptor that is
-    inheritable here (made so by a library, or inherited from our own parent) would otherwise
-    reach every engine process, which must hold nothing but its pipes."""
-    for name in os.listdir("/dev/fd"):
-        fd = int(name)
-        if fd > 2:
-            with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
-                os.set_inheritable(fd, False)
-
-
-def without_inherited(then: Callable[[], None] | None) -> Callable[[], None]:
-    """A ``preexec_fn`` that runs :func:`inherit_nothing` in the child, then ``then``."""
-
-    def preexec_fn() -> None:
-        inherit_nothing()
-        if then is not None:
-            then()
-
-    return preexec_fn
 
 
 def preexec(

@@ -26,6 +26,7 @@ from codemode.errors import CodeModeError, FrameError
 from codemode.protocol.types import ContentItem, ImageDetail, InputAudio, InputImage, InputText
 from codemode.protocol.v1.codec import NEED_DATA, FrameDecoder, encode_frame
 from codemode.runtime.confinement import ConfinementReport
+from codemode.spawning import child_preexec
 
 __all__ = ["DEFAULT_MEMORY_CAP_BYTES", "CellEvents", "EngineBreach", "NodeEngine", "find_node"]
 
@@ -351,9 +352,9 @@ class NodeEngine:
         # see _EngineOutput (stderr, only logged, stays a subprocess pipe).
         child_in, parent_out = os.pipe()
         parent_in, child_out = os.pipe()
-        preexec = confinement.preexec(read_paths, [Path(node)], unix_sockets=False)
-        if not isinstance(loop, asyncio.BaseEventLoop):  # uvloop: no close_fds (asyncio's does)
-            preexec = confinement.without_inherited(preexec)
+        preexec = child_preexec(
+            loop, confinement.preexec(read_paths, [Path(node)], unix_sockets=False)
+        )
         try:
             transport, _ = await loop.subprocess_exec(
                 lambda: _HostProtocol(self),
