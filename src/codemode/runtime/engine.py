@@ -335,10 +335,6 @@ class NodeEngine:
         command = [
             node,
             "--disable-warning=SecurityWarning",
-            # Functions are compiled with their script: the prelude's code cache (host.js) then
-            # holds all of its bytecode, not its top level only, so a cell's isolate does not
-            # compile the prelude's functions again (≈0.2 ms of every cell; decision 0013).
-            "--no-lazy",
             *confinement.node_flags(read_paths),
             str(JS_DIR / "host.js"),
             str(addon),

@@ -293,10 +293,10 @@ const PACED_GAP_MS = 5; // AFTER_END_MS + the spare's making + margin: the spare
 let afterEndTimer = null;
 let lastEnd = -Infinity; // when the last cell ended (performance.now())
 let lastGap = Infinity; // from that end to the exec that followed it, ms
-// V8's code cache of the prelude, made by this process from its own first compile of it. The
-// engine runs with --no-lazy, so the cache holds every prelude function: an isolate deserializes
-// them (0.08 ms) instead of compiling the prelude (0.3 ms) and, during its cell, each function
-// the cell uses (0.2 ms more).
+// V8's code cache of the prelude, made by this process from its own first compile of it. Cells
+// are compiled with --no-lazy (switched on at the end of this file), so the cache holds every
+// prelude function: an isolate deserializes them (0.08 ms) instead of compiling the prelude
+// (0.3 ms) and, during its cell, each function the cell uses (0.2 ms more).
 let preludeCache = null;
 
 function prepare(limit) {
@@ -635,3 +635,10 @@ process.stdin.on('end', () => {
 });
 
 send({ t: 'ready' });
+
+// From here on functions are compiled with their script: the prelude's code cache then holds all
+// of its bytecode, not its top level only, so a cell's isolate does not compile the prelude's
+// functions again (≈0.2 ms of every cell; decision 0013). Switched on only now: on the command
+// line it would make Node refuse its own built-in code cache (the flags differ from those it was
+// made with) and compile its bootstrap from source, ≈13 ms of every engine's start.
+require('node:v8').setFlagsFromString('--no-lazy');
