@@ -22,7 +22,8 @@ import pytest
 
 from tests.upstream import DEFAULT_VERSION, LATEST_VERSION, unavailable_reason, upstream_host
 
-Step = tuple[str, Any]  # ("send", message or raw payload bytes) | ("sleep", seconds)
+# ("send", message or raw payload bytes) | ("together", [those]) | ("sleep", seconds)
+Step = tuple[str, Any]
 
 HELLO: Final = {
     "type": "connection/hello",
@@ -45,6 +46,12 @@ def send(message: dict[str, Any] | bytes) -> Step:
     return ("send", message)
 
 
+def together(*steps: Step) -> Step:
+    """The frames of several ``send`` steps in one write (the host reads them at once)."""
+    assert all(kind == "send" for kind, _ in steps)
+    return ("together", [value for _, value in steps])
+
+
 def pause(seconds: float) -> Step:
     return ("sleep", seconds)
 
@@ -53,11 +60,17 @@ def request(request_id: int, body: dict[str, Any]) -> Step:
     return send({"type": "operation/request", "id": request_id, "request": body})
 
 
-def open_session(request_id: int, **fields: Any) -> Step:
-    return request(request_id, {"method": "session/open", "sessionId": "s1", **fields})
+def open_session(request_id: int, session: str = "s1", **fields: Any) -> Step:
+    return request(request_id, {"method": "session/open", "sessionId": session, **fields})
 
 
-def execute(request_id: int, source: str, yield_ms: int | None = 2000, **fields: Any) -> Step:
+def execute(
+    request_id: int,
+    source: str,
+    yield_ms: int | None = 2000,
+    session: str = "s1",
+    **fields: Any,
+) -> Step:
     body = {
         "tool_call_id": "call-1",
         "enabled_tools": [],
@@ -66,7 +79,7 @@ def execute(request_id: int, source: str, yield_ms: int | None = 2000, **fields:
         "max_output_tokens": None,
         **fields,
     }
-    return request(request_id, {"method": "session/execute", "sessionId": "s1", "request": body})
+    return request(request_id, {"method": "session/execute", "sessionId": session, "request": body})
 
 
 def wait(request_id: int, cell: str, yield_ms: int = 100) -> Step:
@@ -85,6 +98,7 @@ def delegate_response(delegate_id: int, value: dict[str, Any]) -> Step:
 
 
 OPENED: Final = [send(HELLO), pause(0.2), open_session(1), pause(0.3)]
+BLOCKED: Final = "await new Promise(() => {})"
 
 CASES: Final[dict[str, list[Step]]] = {
     # Yield time 0 yields at once, before the cell's first run: `Yielded` with nothing, always.
@@ -148,6 +162,50 @@ CASES: Final[dict[str, list[Step]]] = {
             enabled_tools=[{**ECHO, "name": "__proto__"}, {**ECHO, "name": "constructor"}],
         ),
         pause(0.5),
+    ],
+    # Requests read together are answered in arrival order when they complete at once: refusals
+    # (unknown session, execute conversion, a second open) wait behind the requests read before
+    # them, and an execute's initial response is its cell's first observer (a wait read with it
+    # finds the cell observed).
+    "requests read together: refusals in arrival order": [
+        *OPENED,
+        together(
+            execute(2, "text(1)", session="zz"),
+            wait(3, "7"),
+            open_session(4),
+            terminate(5, "7"),
+            open_session(6, "s2"),
+            request(7, {"method": "session/shutdown", "sessionId": "nope"}),
+        ),
+        pause(0.4),
+    ],
+    "requests read together: waits, executes and an open": [
+        *OPENED,
+        together(
+            wait(2, "7"),
+            execute(3, BLOCKED, session="zz"),
+            execute(4, BLOCKED, yield_ms=200),
+            terminate(5, "9"),
+            open_session(6),
+        ),
+        pause(0.5),
+        terminate(7, "1"),
+        pause(0.3),
+    ],
+    "execute and wait read together": [
+        *OPENED,
+        together(execute(2, BLOCKED, yield_ms=300), wait(3, "1")),
+        pause(0.5),
+        terminate(4, "1"),
+        pause(0.3),
+    ],
+    "open, execute and wait read together": [
+        send(HELLO),
+        pause(0.2),
+        together(open_session(1), execute(2, BLOCKED, yield_ms=300), wait(3, "1", yield_ms=50)),
+        pause(0.6),
+        terminate(4, "1"),
+        pause(0.3),
     ],
     # What the pinned specification decides differently (DIFFERENCES).
     "limits null": [send(HELLO), pause(0.2), open_session(1, cellExecutionLimits=None)],
@@ -266,7 +324,8 @@ async def exchange(command: list[str], script: list[Step]) -> Exchange:
                 await asyncio.sleep(value)
                 continue
             try:
-                process.stdin.write(frame(value))
+                values = value if kind == "together" else [value]
+                process.stdin.write(b"".join(frame(item) for item in values))
                 await process.stdin.drain()
             except (BrokenPipeError, ConnectionResetError):
                 break  # the host ended the connection: what it wrote is the answer

@@ -176,6 +176,22 @@ CELLS = [
     '#!/usr/bin/env node\nthrow new Error("after a hashbang")',
     'text(1); throw new Error("on the first line")',
     "  await tools.nope()",
+    # The cell's Promise overrides change only what the cell sees: the runtime reads none of them.
+    'Promise.prototype.then = function () { throw new Error("then") }; text("after")',
+    'Promise.prototype.then = function () { throw new Error("then") }; await null; text("after")',
+    'Promise.prototype.then = function () { throw new Error("then") }; throw new Error("boom")',
+    'Promise.prototype.then = function () { throw new Error("then") }; text(await tools.echo({a: 1}))',
+    'Promise.prototype.then = function () { throw new Error("then") }; '
+    'setTimeout(() => text("t"), 1); await new Promise(r => setTimeout(r, 20))',
+    "const t = Promise.prototype.then; "
+    'Promise.prototype.then = function (a, b) { text("then"); return t.call(this, a, b) }; text("x")',
+    'Promise.prototype.catch = function () { throw new Error("catch") }; '
+    'Promise.resolve = () => { throw new Error("resolve") }; text("ok")',
+    'Object.defineProperty(Promise, Symbol.species, {get() { throw new Error("species") }}); text("ok")',
+    'Object.defineProperty(Promise, Symbol.species, {get() { throw new Error("species") }}); '
+    'setTimeout(() => text("t"), 1); await new Promise(r => setTimeout(r, 20)); text("end")',
+    'Promise.prototype.constructor = function () { throw new Error("ctor") }; await null; text("ok")',
+    'text(await {then(r) { text("thenable"); r(5) }})',
     # differences (DIFFERENCES)
     "generatedImage([])",
     'image({type: "image", data: "AAA", mimeType: "", mime_type: "image/x"})',

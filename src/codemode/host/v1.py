@@ -67,6 +67,7 @@ class HostOptions:
             max_in_flight_requests=self.max_in_flight_requests,
             max_active_cells=self.max_active_cells,
             wire_revision=self.wire_revision,
+            ordered_refusals=True,
         )
 
 
@@ -220,11 +221,17 @@ class V1HostConnection:
         # A session id maps to a future: requests pipelined behind session/open wait for it.
         self._sessions: dict[str, asyncio.Future[CodeModeSession]] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
-        self._cancellable: dict[int, asyncio.Future[Any]] = {}
+        # The tasks running a client-cancellable operation; those the client cancelled.
+        self._cancellable: dict[int, asyncio.Task[Any]] = {}
+        self._client_cancelled: set[int] = set()
+        # Per session, the admission of the last execute not yet admitted or refused: a wait or
+        # terminate that arrived after it looks at the session once it was (its cell exists).
+        self._admissions: dict[str, asyncio.Future[None]] = {}
         self._callbacks: dict[int, _Settlement] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._closing = False
         self._batch_pending = False
+        self._release: asyncio.Handle | None = None
         self._pump = Pump(transport, protocol, self._apply)
         self.flush = self._pump.flush
 
@@ -263,17 +270,22 @@ class V1HostConnection:
             if future is not None and not future.done():
                 future.set_result(event.result)
         elif isinstance(event, ev.CancelOperation):
-            inner = self._cancellable.get(event.request_id)
-            if inner is not None:
-                inner.cancel()
+            task = self._cancellable.get(event.request_id)
+            if task is not None and event.request_id not in self._client_cancelled:
+                self._client_cancelled.add(event.request_id)
+                task.cancel()
         elif isinstance(event, ev.OpenSession):
             self._spawn(event.request_id, self._open(event))
         elif isinstance(event, ev.StartExecute):
-            self._spawn(event.request_id, self._execute(event))
+            admitted = asyncio.get_running_loop().create_future()
+            self._admissions[event.session_id] = admitted
+            self._spawn(event.request_id, self._execute(event, admitted))
         elif isinstance(event, ev.StartWait):
-            self._spawn(event.request_id, self._wait(event))
+            admission = self._admissions.get(event.session_id)
+            self._spawn(event.request_id, self._wait(event, admission))
         elif isinstance(event, ev.StartTerminate):
-            self._spawn(event.request_id, self._terminate(event))
+            admission = self._admissions.get(event.session_id)
+            self._spawn(event.request_id, self._terminate(event, admission))
         elif isinstance(event, ev.StartShutdown):
             self._spawn(event.request_id, self._shutdown(event))
         elif isinstance(event, ev.ConnectionEnded):
@@ -289,6 +301,19 @@ class V1HostConnection:
         task = asyncio.ensure_future(coroutine)
         self._tasks[request_id] = task
         task.add_done_callback(lambda done: self._operation_done(request_id, done))
+        # Answers leave in arrival order: a refusal the machine made while reading waits behind
+        # the requests read before it, which answer in their tasks' first steps when they can
+        # answer at once. Those steps run in arrival order, before this callback (moved behind
+        # the last task spawned).
+        if self._release is not None:
+            self._release.cancel()
+        self._release = asyncio.get_running_loop().call_soon(self._release_refusals)
+
+    def _release_refusals(self) -> None:
+        self._release = None
+        if self.protocol.holds_refusals:
+            self.protocol.release_refusals()
+            self.flush()
 
     def _operation_done(self, request_id: int, task: asyncio.Task[None]) -> None:
         self._tasks.pop(request_id, None)
@@ -347,27 +372,42 @@ class V1HostConnection:
             protocol.operation_cancelled(request_id)
             self.flush()
             return None
-        inner = asyncio.ensure_future(operation(session))
-        self._cancellable[request_id] = inner
+        # Run in this task (no task of its own: the answer leaves in this step when it can); the
+        # client's cancel cancels this task, told apart from the connection's end by
+        # _client_cancelled and the count of cancel requests.
+        task = asyncio.current_task()
+        assert task is not None
+        self._cancellable[request_id] = task
         try:
-            return await inner
+            return await operation(session)
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
+            if request_id not in self._client_cancelled or task.cancelling() > 1:
                 raise  # the connection ended: this task itself was cancelled
+            task.uncancel()
+            self._client_cancelled.discard(request_id)
             protocol.operation_cancelled(request_id)
         except CodeModeError as error:
             protocol.operation_failed(request_id, error.message)
         finally:
             self._cancellable.pop(request_id, None)
+            if request_id in self._client_cancelled:
+                # Cancelled, but the operation ended anyway (it did not see the cancellation
+                # or swallowed it): take the request back so that it does not hit a later await.
+                self._client_cancelled.discard(request_id)
+                task.uncancel()
         self.flush()
         return None
 
-    async def _execute(self, event: ev.StartExecute) -> None:
+    async def _execute(self, event: ev.StartExecute, admission: asyncio.Future[None]) -> None:
         request_id = event.request_id
-        started = await self._run_cancellable(
-            request_id, event.session_id, lambda session: session.execute(event.request)
-        )
+        try:
+            started = await self._run_cancellable(
+                request_id, event.session_id, lambda session: session.execute(event.request)
+            )
+        finally:
+            admission.set_result(None)
+            if self._admissions.get(event.session_id) is admission:
+                del self._admissions[event.session_id]
         if started is None:
             return
         protocol = self.protocol
@@ -384,7 +424,14 @@ class V1HostConnection:
             protocol.initial_response(request_id, response)
         self.flush()
 
-    async def _wait(self, event: ev.StartWait) -> None:
+    @staticmethod
+    async def _admitted(admission: asyncio.Future[None] | None) -> None:
+        """Wait until an execute that arrived earlier for the same session was admitted."""
+        if admission is not None and not admission.done():
+            await asyncio.wait((admission,))
+
+    async def _wait(self, event: ev.StartWait, admission: asyncio.Future[None] | None) -> None:
+        await self._admitted(admission)
         outcome = await self._run_cancellable(
             event.request_id, event.session_id, lambda session: session.wait(event.request)
         )
@@ -392,7 +439,10 @@ class V1HostConnection:
             self.protocol.wait_completed(event.request_id, outcome)
             self.flush()
 
-    async def _terminate(self, event: ev.StartTerminate) -> None:
+    async def _terminate(
+        self, event: ev.StartTerminate, admission: asyncio.Future[None] | None
+    ) -> None:
+        await self._admitted(admission)
         session = await self._session(event.request_id, event.session_id)
         if session is None:
             return

@@ -171,6 +171,14 @@ class Cell:
     async def observe(self, yield_ms: int, early: EarlyYield | None = None) -> RuntimeResponse:
         """Attach an observation; returns the outcome that ends it (``early`` may end it sooner,
         through the yield timer's own path)."""
+        return await self.attach(yield_ms, early)
+
+    def attach(
+        self, yield_ms: int, early: EarlyYield | None = None
+    ) -> Coroutine[Any, Any, RuntimeResponse]:
+        """Attach an observation now (a wait that comes later finds it: the cell's initial
+        response is its first observer, as on the upstream host); the coroutine returned awaits
+        the outcome that ends it (see :meth:`observe`)."""
         if self._observer is not None:
             raise CodeModeError(f"exec cell {self.cell_id} already has an active observer")
         observer = _Observer(self._loop.create_future(), yield_ms)
@@ -188,6 +196,9 @@ class Cell:
                 early._fire = partial(self._yield_to, observer)
                 if early.requested:
                     self._yield_to(observer)
+        return self._observation(observer, early)
+
+    async def _observation(self, observer: _Observer, early: EarlyYield | None) -> RuntimeResponse:
         try:
             response = await observer.future
         except asyncio.CancelledError:
@@ -452,12 +463,13 @@ class Cell:
         observer, self._observer = self._observer, None
         self._close()
         if observer is not None:
-            # The attached observer learns of the termination a loop turn after the terminate
-            # returns (before anything else runs), so the terminate is answered first, as the
-            # upstream host answers (checked with a `wait` attached).
+            # The attached observer learns of the termination two loop turns after the terminate
+            # returns (the terminate's caller, behind a shield, wakes in the second), so the
+            # terminate is answered first, as the upstream host answers (checked with a `wait`
+            # attached, whose host task awaits the observation directly).
             if observer.timer is not None:
                 observer.timer.cancel()
-            self._loop.call_soon(_settle, observer.future, response)
+            self._loop.call_soon(self._loop.call_soon, _settle, observer.future, response)
         return LiveCell(response)
 
     async def wait_closed(self) -> None:

@@ -34,7 +34,15 @@ from typing import Final
 
 from codemode.errors import CodeModeError
 
-__all__ = ["LAYERS", "ConfinementError", "ConfinementReport", "node_flags", "preexec", "probe"]
+__all__ = [
+    "LAYERS",
+    "ConfinementError",
+    "ConfinementReport",
+    "node_flags",
+    "preexec",
+    "probe",
+    "require_all",
+]
 
 LAYERS: Final = ("node-permission", "landlock-fs", "landlock-net", "landlock-scope", "seccomp")
 
@@ -256,6 +264,16 @@ def _seccomp_available(arch: _Arch | None) -> tuple[bool, str | None]:
         if result != 0:
             return False, f"seccomp action {action:#x} unavailable ({os.strerror(err)})"
     return True, None
+
+
+def require_all() -> None:
+    """Raise :class:`ConfinementError` unless this machine can apply every layer (the check of an
+    engine that requires confinement: a property of the machine, known before any engine starts)."""
+    missing = probe().missing()
+    if missing:
+        raise ConfinementError(
+            "engine confinement required but unavailable here: " + ", ".join(missing)
+        )
 
 
 @functools.cache

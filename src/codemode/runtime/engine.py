@@ -327,10 +327,8 @@ class NodeEngine:
         if not _reported:
             _reported = True
             logger.info("%s", report.describe())
-        if self.require_confinement and report.missing():
-            raise confinement.ConfinementError(
-                "engine confinement required but unavailable here: " + ", ".join(report.missing())
-            )
+        if self.require_confinement:
+            confinement.require_all()
         read_paths = [JS_DIR, addon / "prebuilds"]
         command = [
             node,

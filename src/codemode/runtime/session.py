@@ -32,6 +32,7 @@ from codemode.protocol.types import (
     WaitOutcome,
     WaitRequest,
 )
+from codemode.runtime import confinement
 from codemode.runtime.cell import Cell, EarlyYield
 from codemode.runtime.engine import DEFAULT_MEMORY_CAP_BYTES, NodeEngine
 from codemode.session import (
@@ -89,19 +90,34 @@ class EnginePool:
         """A started engine for one session; the pool starts its replacement in the background."""
         if self._closed:
             raise CodeModeError("the engine pool is closed")
-        engine = None
-        while self._ready and engine is None:
-            candidate = self._ready.pop(0)
-            engine = candidate if candidate.running else None
+        engine = self._pop_ready()
+        refill = self._refill
+        if engine is None and refill is not None and not refill.done():
+            # An engine is starting already (the host warms one while it handshakes): take it
+            # rather than start a second one beside it.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(refill)
+            engine = self._pop_ready()
         if engine is None:
             engine = self._new()
             await engine.start()
         self._schedule_refill()
         return engine
 
+    def _pop_ready(self) -> NodeEngine | None:
+        while self._ready:
+            candidate = self._ready.pop(0)
+            if candidate.running:
+                return candidate
+        return None
+
     async def warm(self) -> None:
         """Start the pool's engines now (e.g. while a host handshakes)."""
-        await self._fill()
+        if self._closed:
+            return
+        self._schedule_refill()
+        if self._refill is not None:
+            await asyncio.shield(self._refill)
 
     def _schedule_refill(self) -> None:
         if self.size > 0 and (self._refill is None or self._refill.done()):
@@ -136,6 +152,12 @@ def _close_in_background(engine: NodeEngine) -> None:
     _closing.add(task)
     task.add_done_callback(_closing.discard)
     task.add_done_callback(lambda done: done.cancelled() or done.exception())
+
+
+def _engine_prepared(task: asyncio.Task[NodeEngine]) -> None:
+    # A failure is reported by the execute that takes the engine again.
+    if not task.cancelled() and (error := task.exception()) is not None:
+        logger.debug("codemode session: could not take an engine: %s", error)
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:
@@ -181,6 +203,7 @@ class LocalSession(CodeModeSession):
         self._idle_timeout = idle_engine_timeout
         self._idle_timer: asyncio.TimerHandle | None = None
         self._taking: asyncio.Lock = asyncio.Lock()
+        self._preparing: asyncio.Task[NodeEngine] | None = None
         self.pending_calls = 0  # unresolved nested calls and notifications of all cells
         self.delegate = delegate
         self.limits = limits or CodeModeSessionCellExecutionLimits()
@@ -213,6 +236,12 @@ class LocalSession(CodeModeSession):
                 await engine.start()
             return engine
 
+    def prepare_engine(self) -> None:
+        """Take this session's engine in the background (``execute`` waits for it)."""
+        task = asyncio.ensure_future(self._engine())
+        self._preparing = task
+        task.add_done_callback(_engine_prepared)
+
     async def execute(self, request: ExecuteRequest) -> StartedCell:
         self._check_open()
         engine = await self._engine()
@@ -226,7 +255,7 @@ class LocalSession(CodeModeSession):
         cell.key = engine.run_cell(cell, request.source, config, self._heap_mb)
         self._cells[cell_id] = cell
         early = EarlyYield()
-        initial = cell.observe(self._yield_ms(request.yield_time_ms), early)
+        initial = cell.attach(self._yield_ms(request.yield_time_ms), early)
         return StartedCell.from_awaitable(
             cell_id, initial, lambda: self._abandon(cell_id), yield_early=early.request
         )
@@ -280,6 +309,11 @@ class LocalSession(CodeModeSession):
             if isinstance(outcome, BaseException) and not cell.closed:
                 logger.warning("shutdown: cell %s: %s", cell.cell_id, outcome)
         self._cancel_idle()
+        preparing = self._preparing
+        if preparing is not None and not preparing.done():
+            # Not cancelled: an engine cancelled half-way through its start would leak its child.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(preparing)
         await self._release_engine()
 
     async def _release_engine(self) -> None:
@@ -441,7 +475,11 @@ class LocalSessionProvider(CodeModeSessionProvider):
             idle_engine_timeout=self.idle_engine_timeout,
         )
         if self.shared_engine is None:
-            await session._engine()  # surface engine start-up failures here, not at execute
+            if self.pool.require_confinement:  # refused at once, as its engine would refuse
+                confinement.require_all()
+            # The session is ready at once; its engine is taken meanwhile, and the first execute
+            # waits for it (an engine that fails to start fails that execute, with the reason).
+            session.prepare_engine()
         self._sessions.append(session)
         return session
 

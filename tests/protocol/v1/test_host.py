@@ -2192,3 +2192,61 @@ def test_session_closed_waits_for_an_admission_the_shutdown_overtook() -> None:
     assert sent(state) == []  # session/closed is the session's last message
     assert state.execution_started(2, CellId("1")) is False
     assert sent(state) == [*refused(2, f"unknown code-mode session {S1}"), ok(3, SessionClosed(S1))]
+
+
+# -- ordered_refusals: answers in arrival order ------------------------------------------------------
+
+
+def test_ordered_refusals_wait_behind_the_requests_before_them() -> None:
+    state = host(ordered_refusals=True)
+    for message in (open_(1), wait(2, "1", session="zz"), open_(3, "s2"), shutdown(4, "nope")):
+        state.receive(message)
+    events, messages = out(state)
+    assert [type(event) for event in events] == [OpenSession, OpenSession]
+    assert messages == []  # both refusals wait behind the open that came first
+    state.session_opened(1)
+    assert sent(state) == [
+        ok(1, SessionReady(S1)),
+        OperationResponse(2, WireError("unknown code-mode session zz")),
+    ]
+    state.session_opened(3)
+    assert sent(state) == [
+        ok(3, SessionReady("s2")),
+        OperationResponse(4, WireError("unknown code-mode session nope")),
+    ]
+    # With nothing before it unanswered, a refusal leaves at once.
+    state.receive(wait(5, "1", session="zz"))
+    assert sent(state) == refused(5, "unknown code-mode session zz")
+
+
+def test_held_refusals_leave_when_the_glue_releases_them() -> None:
+    state = host(ordered_refusals=True)
+    state.receive(open_(1))
+    state.receive(wait(2, "1", session="zz"))
+    out(state)
+    assert state.holds_refusals
+    state.release_refusals()
+    assert sent(state) == refused(2, "unknown code-mode session zz")
+    assert not state.holds_refusals
+    state.session_opened(1)
+    assert sent(state) == [ok(1, SessionReady(S1))]
+
+
+def test_held_refusals_go_out_before_the_connection_ends() -> None:
+    state = host(ordered_refusals=True)
+    state.receive(open_(1))
+    state.receive(wait(2, "1", session="zz"))
+    out(state)
+    state.close()
+    events, messages = out(state)
+    assert messages == refused(2, "unknown code-mode session zz")
+    assert isinstance(events[-1], ConnectionEnded)
+
+
+def test_without_ordered_refusals_a_refusal_leaves_at_once() -> None:
+    state = host()
+    state.receive(open_(1))
+    state.receive(wait(2, "1", session="zz"))
+    events, messages = out(state)
+    assert [type(event) for event in events] == [OpenSession]
+    assert messages == refused(2, "unknown code-mode session zz")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -69,6 +70,10 @@ _DECODER: Final = MessageDecoder[wire.ClientToHost](wire.ClientToHost)
 #: Unresolved-callback slots each session keeps for itself on a shared connection (a decision of
 #: ours within §8.6's per-connection limit; docs/security.md).
 SESSION_CALLBACK_RESERVE: Final = 64
+
+
+#: Refusals held for arrival order at most (ordered_refusals); beyond, a refusal leaves at once.
+_MAX_HELD_REFUSALS: Final = 64
 
 
 class _Kind(Enum):
@@ -132,6 +137,7 @@ class HostProtocol(Endpoint[wire.ClientToHost, wire.HostToClient, ev.HostEvent])
         wire_revision: WireRevision | str = WireRevision.PINNED,
         new_token: Callable[[], str] = lambda: secrets.token_urlsafe(24),
         clock: Callable[[], int] = time.monotonic_ns,
+        ordered_refusals: bool = False,
     ) -> None:
         super().__init__(_DECODER)
         self._capabilities = frozenset(capabilities)
@@ -157,6 +163,15 @@ class HostProtocol(Endpoint[wire.ClientToHost, wire.HostToClient, ev.HostEvent])
         self._callbacks: dict[int, _Callback] = {}
         self._revoked: RecentIds[int] = RecentIds()
         self._in_grace: set[int] = set()  # revoked, and their end not yet reported
+        # ordered_refusals: a refusal waits behind the requests handed to the glue before it since
+        # the glue's last release_refusals() that have no answer yet, so that answers leave in
+        # arrival order. Those requests by place (request id -> place; answered or not, by place;
+        # every place below _batch_low answered); held refusals with the count of places before.
+        self._ordered = ordered_refusals
+        self._batch_places: dict[int, int] = {}
+        self._batch_answered: list[bool] = []
+        self._batch_low = 0
+        self._held: deque[tuple[int, tuple[bytes | bytearray, Lane]]] = deque()
         self.failure: str | None = None
 
     # -- inspection ------------------------------------------------------------------------------
@@ -213,7 +228,9 @@ class HostProtocol(Endpoint[wire.ClientToHost, wire.HostToClient, ev.HostEvent])
         if request_id in self._requests or request_id in self._finished:
             raise RemoteProtocolError(texts.duplicate_request_id(request_id))
         if len(self._requests) >= self._max_in_flight:
-            self._refuse(request_id, texts.TOO_MANY_REQUESTS)
+            # Not held for order: a client over the limit gets its answer at once.
+            self._finished.add(request_id)
+            self._queue(wire.OperationResponse(request_id, wire.WireError(texts.TOO_MANY_REQUESTS)))
             return
         if self._stopped:
             self._refuse(request_id, texts.HOST_SHUTTING_DOWN)
@@ -240,6 +257,7 @@ class HostProtocol(Endpoint[wire.ClientToHost, wire.HostToClient, ev.HostEvent])
             self._admitting += 1
             session.admitting += 1
             self._requests[request_id] = _Request(_Kind.EXECUTE, session_id, arrived)
+            self._arrived(request_id)
             self._emit(ev.StartExecute(request_id, session_id, domain))
         elif isinstance(request, wire.SessionWait):
             cell_id = request.request.cell_id
@@ -258,6 +276,7 @@ class HostProtocol(Endpoint[wire.ClientToHost, wire.HostToClient, ev.HostEvent])
         else:
             session.shutdown_request = request_id
             self._requests[request_id] = _Request(_Kind.SHUTDOWN, session_id, arrived)
+            self._arrived(request_id)
             self._emit(ev.StartShutdown(request_id, session_id))
 
     def _open(self, request_id: int, request: wire.SessionOpen, arrived: int) -> None:
@@ -283,6 +302,7 @@ class HostProtocol(Endpoint[wire.ClientToHost, wire.HostToClient, ev.HostEvent])
             else limits_to_domain(wire_limits)
         )
         self._requests[request_id] = _Request(_Kind.OPEN, session_id, arrived)
+        self._arrived(request_id)
         self._emit(ev.OpenSession(request_id, session_id, limits))
 
     def _track_answer(
@@ -301,10 +321,53 @@ class HostProtocol(Endpoint[wire.ClientToHost, wire.HostToClient, ev.HostEvent])
         # Only an answer counted on a known cell holds (and later releases) its cell/closed.
         known = None if cell is None else cell_id
         self._requests[request_id] = _Request(kind, session_id, arrived, known)
+        self._arrived(request_id)
 
     def _refuse(self, request_id: int, message: str) -> None:
         self._finished.add(request_id)
-        self._queue(wire.OperationResponse(request_id, wire.WireError(message)))
+        response = wire.OperationResponse(request_id, wire.WireError(message))
+        places = len(self._batch_answered)
+        if self._batch_low < places and len(self._held) < _MAX_HELD_REFUSALS:
+            self._held.append((places, self._encode(response)))
+        else:
+            self._queue(response)
+
+    def _arrived(self, request_id: int) -> None:
+        """``request_id`` was handed to the glue: refusals after it wait for its first answer."""
+        if self._ordered:
+            self._batch_places[request_id] = len(self._batch_answered)
+            self._batch_answered.append(False)
+
+    def _first_answer(self, request_id: int) -> None:
+        """``request_id`` was answered (its first answer was queued): the refusals behind it go."""
+        place = self._batch_places.pop(request_id, None)
+        if place is None:
+            return
+        answered = self._batch_answered
+        answered[place] = True
+        low = self._batch_low
+        while low < len(answered) and answered[low]:
+            low += 1
+        self._batch_low = low
+        held = self._held
+        while held and held[0][0] <= low:
+            self._write(held.popleft()[1])
+
+    def release_refusals(self) -> None:
+        """Write the held refusals now and start a new batch (``ordered_refusals``; the glue
+        calls this once the operations that arrived with them had their first chance to
+        answer)."""
+        held, self._held = self._held, deque()
+        self._batch_places.clear()
+        self._batch_answered = []
+        self._batch_low = 0
+        for _, frame in held:
+            self._write(frame)
+
+    @property
+    def holds_refusals(self) -> bool:
+        """True while a batch of requests is kept in arrival order (see ``release_refusals``)."""
+        return bool(self._batch_answered)
 
     def _cancel(self, request_id: int) -> None:
         request = self._requests.get(request_id)
@@ -346,6 +409,7 @@ class HostProtocol(Endpoint[wire.ClientToHost, wire.HostToClient, ev.HostEvent])
             return
         self._finish(request_id)
         self._queue(wire.OperationResponse(request_id, wire.WireError(message)))
+        self._first_answer(request_id)
         if request.kind in (_Kind.OPEN, _Kind.SHUTDOWN):
             # A failed open never made the session; a failed shutdown leaves it unusable.
             self._sessions.pop(request.session_id, None)
@@ -416,6 +480,7 @@ class HostProtocol(Endpoint[wire.ClientToHost, wire.HostToClient, ev.HostEvent])
         except FrameError as error:
             detail = wire.WireError(texts.response_too_large(_oversize(error)))
             self._queue(wire.ExecuteInitialResponse(request_id, detail))
+        self._first_answer(request_id)
         self._answered_cell(request)
 
     def wait_completed(self, request_id: int, outcome: WaitOutcome) -> None:
@@ -453,6 +518,7 @@ class HostProtocol(Endpoint[wire.ClientToHost, wire.HostToClient, ev.HostEvent])
         except FrameError as error:
             detail = wire.WireError(texts.response_too_large(_oversize(error)))
             self._queue(wire.OperationResponse(request_id, detail))
+        self._first_answer(request_id)
 
     def _finish(self, request_id: int) -> _Request | None:
         request = self._requests.pop(request_id, None)
@@ -641,6 +707,7 @@ class HostProtocol(Endpoint[wire.ClientToHost, wire.HostToClient, ev.HostEvent])
     def _end(self, reason: str | None) -> None:
         if self._ended:
             return
+        self.release_refusals()  # what was answered goes out before the end
         self._ended = True
         self.failure = reason
         requests = tuple(self._requests)

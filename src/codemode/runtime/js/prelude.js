@@ -27,15 +27,17 @@
   const reTest = (re, s) => RegExp.prototype.test.call(re, s);
   const apply = Reflect.apply;
   const uncurry = Function.prototype.bind.bind(Function.prototype.call);
+  const SymbolSpecies = Symbol.species;
   const mapGet = uncurry(MapCtor.prototype.get);
   const mapSet = uncurry(MapCtor.prototype.set);
   const mapDelete = uncurry(MapCtor.prototype.delete);
   const mapEntries = uncurry(MapCtor.prototype.entries);
   const iteratorNext = uncurry(Object.getPrototypeOf(new MapCtor().entries()).next);
   const charCodeAt = uncurry(StringOf.prototype.charCodeAt);
+  const promiseThen = uncurry(PromiseCtor.prototype.then);
+  const ignore = () => {};
   const codePointAt = uncurry(StringOf.prototype.codePointAt);
   const toWellFormed = uncurry(StringOf.prototype.toWellFormed);
-  const promiseThen = uncurry(PromiseCtor.prototype.then);
   const ErrorCtor = Error;
   const reExec = (re, s) => RegExp.prototype.exec.call(re, s);
   const bindFunction = uncurry(Function.prototype.bind);
@@ -719,9 +721,8 @@
   const dynamicImport = () => PromiseCtor.reject('unsupported import in exec');
 
   // `wrapper` takes the dynamic-import function and returns the cell as an async function.
-  // Cell code (the cell's body, a timer callback) is called from a microtask, so that no frame of
-  // this file sits under it: its stack traces show only the cell's own frames.
-  const resolved = PromiseCtor.resolve();
+  // Cell code (the cell's body, a timer callback) is called from a microtask (later()), so that no
+  // frame of this file sits under the cell's body: its stack traces show only the cell's own frames.
 
   function run(wrapper) {
     let cell;
@@ -731,7 +732,54 @@
       finish(errorText(error));
       return;
     }
-    promiseThen(promiseThen(resolved, cell), () => finish(null), fail);
+    later(cell, settleCell, failLater);
+  }
+
+  // `later(handler, settled, failed)` calls `handler` from a microtask (no frame of this file under
+  // it) and hands what it returns to `settled`, what it throws to `failed`, without a lookup that
+  // cell code could redirect: nothing here reads `then`, `constructor` or `Symbol.species` of a
+  // promise the cell can reach, so overriding them changes only what the cell itself sees, as on
+  // the upstream host. The reaction's result goes to a capability of ours (`Capability`, named as
+  // the species of the start promise), not into a promise that would look up its `then`.
+  let capabilityResolve = null;
+  let capabilityReject = null;
+  function Capability(executor) {
+    executor(capabilityResolve, capabilityReject);
+  }
+  const CAPABILITY = ObjectCtor.freeze({ __proto__: null, [SymbolSpecies]: Capability });
+  const resolveAtOnce = (resolve) => resolve();
+  function later(handler, settled, failed) {
+    const start = new PromiseCtor(resolveAtOnce);
+    defineProperty(start, 'constructor', { value: CAPABILITY });
+    capabilityResolve = settled;
+    capabilityReject = failed;
+    try {
+      promiseThen(start, handler);
+    } finally {
+      capabilityResolve = capabilityReject = null;
+    }
+  }
+
+  // The cell's own promise (an async function's): its `constructor` is pinned (an own property of
+  // a promise the cell never sees) so that `await` takes it as it is. The ticks are those of
+  // resolving a promise with it (a then-job, its reaction, the reaction of the resolved promise).
+  async function settleCell(promise) {
+    defineProperty(promise, 'constructor', { value: PromiseCtor });
+    await undefined;
+    try {
+      await promise;
+    } catch (error) {
+      await undefined;
+      fail(error);
+      return;
+    }
+    await undefined;
+    finish(null);
+  }
+
+  async function failLater(error) {
+    await undefined;
+    fail(error);
   }
 
   // resultsJson: [[runtime tool call id, ok, value or error text], ...]
@@ -761,7 +809,7 @@
     const call = () => {
       apply(callback, undefined, []);
     };
-    promiseThen(promiseThen(resolved, call), undefined, fail);
+    later(call, ignore, failLater);
   }
 
   return function entry(kind, a) {
