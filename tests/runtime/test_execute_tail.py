@@ -14,6 +14,7 @@ from codemode.protocol import (
     InputText,
     Result,
     Terminated,
+    Yielded,
 )
 from codemode.runtime import LocalSession, LocalSessionProvider
 from codemode.session import CodeModeSessionDelegate
@@ -73,24 +74,54 @@ async def test_a_cell_that_runs_on_while_others_end_is_still_stoppable(
     assert (await run(session, "text('after')")).content_items == [InputText("after")]
 
 
-async def test_code_a_completed_cell_left_running_cannot_outlive_it(
+async def test_microtasks_a_cell_leaves_run_before_its_result(
     provider: LocalSessionProvider,
 ) -> None:
     session = await provider.create_session_with_limits(
         CodeModeSessionDelegate(), CodeModeSessionCellExecutionLimits(max_heap_size_bytes=16 << 20)
     )
-    # The cell completes; what it left queued goes on allocating (or spinning) in its isolate
-    # until the isolate is disposed (or its memory limit disposes it, which ends the engine).
-    for source in (
-        "text('done'); (async () => { for (let i = 0; i < 4; i++) await null;"
-        " const a = []; for (;;) a.push(new Array(1000).fill(1)); })();",
-        "text('done'); (async () => { for (let i = 0; i < 4; i++) await null; for (;;) {} })();",
-    ):
-        first = await asyncio.wait_for(run(session, source), 10)
-        assert first.content_items[:1] == [InputText("done")] or first.error_text is not None
-        await asyncio.sleep(0.2)
-        again = await asyncio.wait_for(run(session, "text('next')"), 10)
-        assert again.content_items == [InputText("next")]
+    # As on the upstream host, what the cell's body left queued as microtasks runs before its
+    # result, and what it emits is part of it.
+    drained = await asyncio.wait_for(
+        run(
+            session,
+            "text('done'); (async () => { for (let i = 0; i < 1000; i++) await null;"
+            " text('drained') })();",
+        ),
+        10,
+    )
+    assert drained.content_items == [InputText("done"), InputText("drained")]
+    # Leftovers that allocate for ever end at the heap limit.
+    allocating = await asyncio.wait_for(
+        run(
+            session,
+            "text('done'); (async () => { for (let i = 0; i < 4; i++) await null;"
+            " const a = []; for (;;) a.push(new Array(1000).fill(1)); })();",
+        ),
+        10,
+    )
+    assert allocating.error_text is not None
+    # Leftovers that spin keep the cell from completing (upstream too): it yields, a terminate
+    # ends it, and the session's next cell runs.
+    await spin_then_terminate(session)
+    again = await asyncio.wait_for(run(session, "text('next')"), 10)
+    assert again.content_items == [InputText("next")]
+
+
+async def spin_then_terminate(session: LocalSession) -> None:
+    started = await session.execute(
+        ExecuteRequest(
+            tool_call_id="left",
+            source="text('done'); (async () => { for (let i = 0; i < 4; i++) await null;"
+            " for (;;) {} })();",
+            yield_time_ms=200,
+        )
+    )
+    first = await asyncio.wait_for(started.initial_response(), 10)
+    assert isinstance(first, Yielded)
+    assert first.content_items == [InputText("done")]
+    outcome = await asyncio.wait_for(session.terminate(started.cell_id), 10)
+    assert isinstance(outcome.response, Terminated)
 
 
 @pytest.mark.timeout(60)
@@ -113,11 +144,9 @@ async def test_cells_that_come_apart_or_during_the_wait_after_an_end_each_get_a_
         result = await asyncio.wait_for(run(session, source.replace("{i}", str(i))), 10)
         assert result.error_text is None, (i, result.error_text)
         assert result.content_items == [InputText(str(i))]
-    # A completed cell's leftover code still ends with its isolate after a paced end.
+    # A cell whose leftover microtasks spin is ended by a terminate after a paced end too.
     await asyncio.sleep(0.02)
-    left = "text('done'); (async () => { for (let i = 0; i < 4; i++) await null; for (;;) {} })();"
-    first = await asyncio.wait_for(run(session, left), 10)
-    assert first.content_items[:1] == [InputText("done")]
+    await spin_then_terminate(session)
     await asyncio.sleep(0.02)
     again = await asyncio.wait_for(run(session, "text('next')"), 10)
     assert again.content_items == [InputText("next")]

@@ -192,6 +192,14 @@ CELLS = [
     'setTimeout(() => text("t"), 1); await new Promise(r => setTimeout(r, 20)); text("end")',
     'Promise.prototype.constructor = function () { throw new Error("ctor") }; await null; text("ok")',
     'text(await {then(r) { text("thenable"); r(5) }})',
+    # microtasks a cell leaves run before its result, as on the upstream host
+    'Promise.resolve().then(() => text("m1")).then(() => text("m2")).then(() => text("m3"))'
+    '.then(() => text("m4")).then(() => text("m5")).then(() => text("m6"))',
+    'Promise.resolve().then(() => text("m1")).then(() => text("m2")).then(() => text("m3"))'
+    '.then(() => text("m4")); throw new Error("boom")',
+    'Promise.resolve().then(() => text("after exit")); exit()',
+    'Promise.resolve().then(() => tools.echo({}).then(() => text("late"))); text("end")',
+    'setTimeout(() => text("timer"), 0); Promise.resolve().then(() => text("micro"))',
     # differences (DIFFERENCES)
     "generatedImage([])",
     'image({type: "image", data: "AAA", mimeType: "", mime_type: "image/x"})',
@@ -226,6 +234,8 @@ RELEASE_DIFFERENCES: dict[str, dict[str, str]] = {
             "0.149.0 throws `failed to serialize JavaScript value: …` (the later text, with the "
             "key in Rust's debug quoting, is pinned)"
         ),
+        'Promise.resolve().then(() => text("after exit")); exit()': "0.149.0 runs the microtasks "
+        "queued before exit(); runtime.md §9 and 0.171.0 admit no effect after it",
     },
     LATEST_VERSION: {
         'text(Object.keys(globalThis).join(","))': "0.171.0 adds globals the pinned spec does not "

@@ -135,6 +135,7 @@ class Cell {
     this.gone = false; // the isolate is disposed and `exited` was sent
     this.stopping = false;
     this.limit = undefined; // the memory limit (MB) this cell's isolate was made with
+    this.turns = []; // the isolate's turns entered and not yet ended, in order (their promises)
   }
 
   // Runs `kind` inside the isolate. A failure here means the isolate died (memory limit,
@@ -148,7 +149,20 @@ class Cell {
       this.failed(error);
       return;
     }
-    pending.catch((error) => this.failed(error));
+    this.turns.push(pending);
+    const ended = () => this.turns.shift();
+    pending.then(ended, (error) => {
+      ended();
+      this.failed(error);
+    });
+  }
+
+  // Runs `then` once the isolate's current turn has ended: its microtasks have all run, and what
+  // they sent this thread (queued before the turn's end) has been handled.
+  afterTurn(then) {
+    const turn = this.turns[0];
+    if (turn === undefined) then();
+    else turn.then(then, then);
   }
 
   failed(error) {
@@ -239,16 +253,22 @@ class Cell {
         send({ t: 'yield', cell: cell.id, turn });
       }, ignored),
       new ivm.Callback((error, writes, tool, line, column) => {
-        if (!live()) return;
-        cell.finished = true;
+        if (!live() || cell.ending) return;
+        cell.ending = true;
         const text = error === null ? null : wellFormed(String(error));
         const done = { t: 'done', cell: cell.id, error: text, writes: wellFormed(writes) };
         if (text !== null && Number.isSafeInteger(tool) && Number.isSafeInteger(line) &&
             Number.isSafeInteger(column) && line > 0 && column > 0) {
           done.call = [tool, line, column];
         }
-        send(done, typeof writes === 'string' ? writes.length * 2 : 64);
-        cell.exit('stopped');
+        // The turn that decided the end runs its leftover microtasks first (their items are
+        // part of the result, as upstream's): `done` goes out when that turn has ended.
+        cell.afterTurn(() => {
+          if (!live()) return;
+          cell.finished = true;
+          send(done, typeof writes === 'string' ? writes.length * 2 : 64);
+          cell.exit('stopped');
+        });
       }, ignored),
       new ivm.Callback((id, ms) => {
         if (!live() || !Number.isSafeInteger(id) || typeof ms !== 'number') return;

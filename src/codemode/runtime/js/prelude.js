@@ -177,6 +177,12 @@
   }
 
   // -- cell state --------------------------------------------------------------------------------
+  // `settled`: the cell's end is decided (its body returned or threw, or exit() ran); nothing of
+  // it starts any more (tool calls, timers, deliveries). `finished`: its helpers are no-ops too.
+  // A cell that completed (or threw) is settled but not finished: the microtasks it left run to
+  // the end of this turn, and what they emit is part of its result — the upstream host drains
+  // them before it reports one. host.js sends the result when the turn has ended.
+  let settled = false;
   let finished = false;
   const stored = new MapCtor(); // key -> JSON text (snapshot + own writes)
   const written = new MapCtor(); // key -> JSON text (own writes, committed on completion)
@@ -214,10 +220,11 @@
     return out + ']';
   }
 
-  // Ends the cell now as a natural completion; nothing of the cell runs afterwards.
-  function finish(errorTextOrNull, site) {
-    if (finished) return;
-    finished = true;
+  // Ends the cell as a natural completion (`final`: exit(), whose helpers stop at once too).
+  function finish(errorTextOrNull, site, final) {
+    if (settled) return;
+    settled = true;
+    if (final) finished = true;
     let writes;
     try {
       writes = writesJson();
@@ -588,7 +595,7 @@
   // A second yield in the same turn changes nothing (decision 0004): it is not sent.
   let yieldedTurn = -1;
   function yield_control() {
-    if (finished || yieldedTurn === turn) return;
+    if (settled || yieldedTurn === turn) return;
     yieldedTurn = turn;
     hostYield(turn);
   }
@@ -597,7 +604,7 @@
   // until then every helper is a no-op. The throw unwinds whatever the cell was doing.
   const EXIT = {};
   function exit() {
-    finish(null);
+    finish(null, null, true);
     throw EXIT;
   }
 
@@ -607,7 +614,7 @@
     let ms = +delay; // ToNumber: a bigint or a symbol throws its TypeError (as upstream)
     ms = !isFiniteNumber(ms) || ms <= 0 ? 0 : trunc(ms);
     const id = nextTimer++;
-    if (finished) return id;
+    if (settled) return id;
     if (timers.size >= MAX_TIMERS) throw 'setTimeout exceeded the limit of ' + MAX_TIMERS + ' pending timers';
     mapSet(timers, id, callback);
     hostSetTimer(id, ms);
@@ -658,7 +665,7 @@
       const id = 'tool-' + nextCall++;
       const site = new ErrorCtor();
       return new PromiseCtor((resolve, reject) => {
-        if (finished) return;
+        if (settled) return;
         mapSet(pendingCalls, id, [resolve, reject, site, index]);
         hostCall(id, index, input === undefined ? null : toWellFormed(input));
       });
@@ -784,7 +791,7 @@
 
   // resultsJson: [[runtime tool call id, ok, value or error text], ...]
   function deliver(resultsJson) {
-    if (finished) return;
+    if (settled) return;
     const results = parse(resultsJson);
     for (let i = 0; i < results.length; i++) {
       const [id, ok, value] = results[i];
@@ -803,7 +810,7 @@
 
   function fireTimer(id) {
     const callback = mapGet(timers, id);
-    if (callback === undefined || finished) return;
+    if (callback === undefined || settled) return;
     mapDelete(timers, id);
     // Only what the callback throws ends the cell; a promise it returns is not awaited (§2.5).
     const call = () => {
