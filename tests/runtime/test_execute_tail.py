@@ -91,6 +91,14 @@ async def test_microtasks_a_cell_leaves_run_before_its_result(
         10,
     )
     assert drained.content_items == [InputText("done"), InputText("drained")]
+    # Their stores are committed too, even those made after the end's writes were taken.
+    chain = "Promise.resolve()" + ".then(() => 0)" * 8
+    stored = await asyncio.wait_for(
+        run(session, chain + ".then(() => store('k', 'late')); text('a')"), 10
+    )
+    assert stored.content_items == [InputText("a")]
+    loaded = await asyncio.wait_for(run(session, "text(String(load('k')))"), 10)
+    assert loaded.content_items == [InputText("late")]
     # Leftovers that allocate for ever end at the heap limit.
     allocating = await asyncio.wait_for(
         run(

@@ -136,6 +136,7 @@ class Cell {
     this.stopping = false;
     this.limit = undefined; // the memory limit (MB) this cell's isolate was made with
     this.turns = []; // the isolate's turns entered and not yet ended, in order (their promises)
+    this.rewritten = false; // the cell stored after its end was reported: its writes are asked again
   }
 
   // Runs `kind` inside the isolate. A failure here means the isolate died (memory limit,
@@ -266,7 +267,15 @@ class Cell {
         cell.afterTurn(() => {
           if (!live()) return;
           cell.finished = true;
-          send(done, typeof writes === 'string' ? writes.length * 2 : 64);
+          if (cell.rewritten) { // a leftover microtask stored more: the writes as they are now
+            try {
+              const now = cell.entry.applySync(undefined, ['writes'], { result: { copy: true } });
+              if (typeof now === 'string') done.writes = wellFormed(now);
+            } catch (error) {
+              // the isolate is gone: what the end reported stands
+            }
+          }
+          send(done, done.writes.length * 2);
           cell.exit('stopped');
         });
       }, ignored),
@@ -283,6 +292,9 @@ class Cell {
           clearTimeout(handle);
           cell.timers.delete(id);
         }
+      }, ignored),
+      new ivm.Callback(() => {
+        if (live()) cell.rewritten = true;
       }, ignored),
     ];
   }

@@ -1,14 +1,14 @@
 // The code-mode prelude: the JavaScript API a cell sees (runtime.md §3-§12).
 //
 // host.js evaluates this file in the cell's own bare V8 isolate (isolated-vm), before any cell
-// code, and calls the function it yields with seven host callbacks. The callbacks copy their
+// code, and calls the function it yields with eight host callbacks. The callbacks copy their
 // primitive arguments to the host and return nothing, so no object of the host ever exists in
 // here; the function returns `entry`, the host's only way in (configure, run, deliver results,
-// fire timers). Everything this file relies on is captured before cell code runs, and every
+// fire timers, read the writes again). Everything this file relies on is captured before cell code runs, and every
 // argument a cell passes is read once, so overriding built-ins or passing getters and proxies can
 // only change what that cell itself sees.
 (function installPrelude(hostItem, hostCall, hostNotify, hostYield, hostFinish, hostSetTimer,
-  hostClearTimer, wrapColumns) {
+  hostClearTimer, hostRewritten, wrapColumns) {
   'use strict';
 
   const g = globalThis;
@@ -184,6 +184,7 @@
   // them before it reports one. host.js sends the result when the turn has ended.
   let settled = false;
   let finished = false;
+  let rewritten = false; // a store came after the end was decided
   const stored = new MapCtor(); // key -> JSON text (snapshot + own writes)
   const written = new MapCtor(); // key -> JSON text (own writes, committed on completion)
   const pendingCalls = new MapCtor(); // runtime tool call id -> [resolve, reject, site, tool index]
@@ -572,6 +573,12 @@
     storeChars = grown;
     mapSet(stored, name, serialized);
     mapSet(written, name, serialized);
+    // A leftover microtask's store, after the writes went out with the cell's end: the host asks
+    // for them again when the turn ends (they are committed, as on the upstream host).
+    if (settled && !rewritten) {
+      rewritten = true;
+      hostRewritten();
+    }
   }
 
   function load(key) {
@@ -829,6 +836,9 @@
     } else if (kind === 'timer') {
       turn += 1;
       fireTimer(a);
+    } else if (kind === 'writes') {
+      return writesJson();
     }
+    return undefined;
   };
 });
