@@ -168,17 +168,13 @@ class Cell:
 
     # -- observations --------------------------------------------------------------------------
 
-    async def observe(self, yield_ms: int, early: EarlyYield | None = None) -> RuntimeResponse:
-        """Attach an observation; returns the outcome that ends it (``early`` may end it sooner,
-        through the yield timer's own path)."""
-        return await self.attach(yield_ms, early)
-
     def attach(
         self, yield_ms: int, early: EarlyYield | None = None
     ) -> Coroutine[Any, Any, RuntimeResponse]:
         """Attach an observation now (a wait that comes later finds it: the cell's initial
         response is its first observer, as on the upstream host); the coroutine returned awaits
-        the outcome that ends it (see :meth:`observe`)."""
+        the outcome that ends it (``early`` may end it sooner, through the yield timer's own
+        path)."""
         if self._observer is not None:
             raise CodeModeError(f"exec cell {self.cell_id} already has an active observer")
         observer = _Observer(self._loop.create_future(), yield_ms)

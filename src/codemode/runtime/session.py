@@ -269,11 +269,11 @@ class LocalSession(CodeModeSession):
             return _missing(request.cell_id)
         yield_ms = self._yield_ms(request.yield_time_ms)
         if early_yield is None:
-            return LiveCell(await cell.observe(yield_ms))
+            return LiveCell(await cell.attach(yield_ms))
         early = EarlyYield()
         if early_yield.is_set():
             early.request()
-            return LiveCell(await cell.observe(yield_ms, early))
+            return LiveCell(await cell.attach(yield_ms, early))
         watcher = asyncio.ensure_future(early_yield.wait())
 
         def fired(done: asyncio.Future[Any]) -> None:
@@ -282,7 +282,7 @@ class LocalSession(CodeModeSession):
 
         watcher.add_done_callback(fired)
         try:
-            return LiveCell(await cell.observe(yield_ms, early))
+            return LiveCell(await cell.attach(yield_ms, early))
         finally:
             watcher.cancel()
 
