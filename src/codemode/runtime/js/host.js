@@ -191,6 +191,13 @@ class Cell {
     // runs in between: this is one synchronous turn.
     flush();
     const isolate = this.isolate;
+    for (const handle of [this.entry, this.context]) {
+      try {
+        if (handle !== null) handle.release();
+      } catch (error) {
+        // its isolate is gone already
+      }
+    }
     const completed = this.finished && !this.stopping && reason === 'stopped';
     if (isolate !== null && !isolate.isDisposed) {
       // A cell that completed is disposed a turn later, after the spare for the next cell is
@@ -225,78 +232,90 @@ class Cell {
   }
 
 
-  // The callbacks the prelude receives. They run on this thread, in the order the cell made the
-  // calls, with copied primitive arguments; anything else is refused here, not trusted.
-  callbacks() {
+  // The one callback the prelude receives (one host handle per isolate: each handle costs the
+  // main realm's scavenges a weak-handle visit). It runs on this thread, in the order the cell
+  // made the calls, with copied primitive arguments; the first says what is asked (prelude.js
+  // numbers them), and anything else is refused here, not trusted.
+  callback() {
     const cell = this;
     const live = () => !cell.gone && !cell.finished;
-    const ignored = { ignored: true };
-    return [
-      new ivm.Callback((type, value, detail) => {
-        if (!live() || typeof value !== 'string') return;
-        if (type !== 'input_text' && type !== 'input_image' && type !== 'input_audio') return;
-        const item = { t: 'item', cell: cell.id, type, value: wellFormed(value) };
-        if (type === 'input_image') item.detail = typeof detail === 'string' ? detail : 'high';
-        send(item, value.length * 2);
-      }, ignored),
-      new ivm.Callback((id, tool, input) => {
-        if (!live() || typeof id !== 'string' || !Number.isSafeInteger(tool)) return;
-        const text = typeof input === 'string' ? wellFormed(input) : null;
-        send({ t: 'call', cell: cell.id, id: wellFormed(id), tool, input: text },
-          text === null ? 64 : text.length * 2);
-      }, ignored),
-      new ivm.Callback((text) => {
-        if (!live() || typeof text !== 'string') return;
-        send({ t: 'notify', cell: cell.id, text: wellFormed(text) }, text.length * 2);
-      }, ignored),
-      new ivm.Callback((turn) => {
-        if (!live() || !Number.isSafeInteger(turn)) return;
-        send({ t: 'yield', cell: cell.id, turn });
-      }, ignored),
-      new ivm.Callback((error, writes, tool, line, column) => {
-        if (!live() || cell.ending) return;
-        cell.ending = true;
-        const text = error === null ? null : wellFormed(String(error));
-        const done = { t: 'done', cell: cell.id, error: text, writes: wellFormed(writes) };
-        if (text !== null && Number.isSafeInteger(tool) && Number.isSafeInteger(line) &&
-            Number.isSafeInteger(column) && line > 0 && column > 0) {
-          done.call = [tool, line, column];
-        }
-        // The turn that decided the end runs its leftover microtasks first (their items are
-        // part of the result, as upstream's): `done` goes out when that turn has ended.
-        cell.afterTurn(() => {
-          if (!live()) return;
-          cell.finished = true;
-          if (cell.rewritten) { // a leftover microtask stored more: the writes as they are now
-            try {
-              const now = cell.entry.applySync(undefined, ['writes'], { result: { copy: true } });
-              if (typeof now === 'string') done.writes = wellFormed(now);
-            } catch (error) {
-              // the isolate is gone: what the end reported stands
-            }
+    const item = (type, value, detail) => {
+      if (!live() || typeof value !== 'string') return;
+      if (type !== 'input_text' && type !== 'input_image' && type !== 'input_audio') return;
+      const message = { t: 'item', cell: cell.id, type, value: wellFormed(value) };
+      if (type === 'input_image') message.detail = typeof detail === 'string' ? detail : 'high';
+      send(message, value.length * 2);
+    };
+    const call = (id, tool, input) => {
+      if (!live() || typeof id !== 'string' || !Number.isSafeInteger(tool)) return;
+      const text = typeof input === 'string' ? wellFormed(input) : null;
+      send({ t: 'call', cell: cell.id, id: wellFormed(id), tool, input: text },
+        text === null ? 64 : text.length * 2);
+    };
+    const notify = (text) => {
+      if (!live() || typeof text !== 'string') return;
+      send({ t: 'notify', cell: cell.id, text: wellFormed(text) }, text.length * 2);
+    };
+    const yieldTurn = (turn) => {
+      if (!live() || !Number.isSafeInteger(turn)) return;
+      send({ t: 'yield', cell: cell.id, turn });
+    };
+    const finish = (error, writes, tool, line, column) => {
+      if (!live() || cell.ending) return;
+      cell.ending = true;
+      const text = error === null ? null : wellFormed(String(error));
+      const done = { t: 'done', cell: cell.id, error: text, writes: wellFormed(writes) };
+      if (text !== null && Number.isSafeInteger(tool) && Number.isSafeInteger(line) &&
+          Number.isSafeInteger(column) && line > 0 && column > 0) {
+        done.call = [tool, line, column];
+      }
+      // The turn that decided the end runs its leftover microtasks first (their items are
+      // part of the result, as upstream's): `done` goes out when that turn has ended.
+      cell.afterTurn(() => {
+        if (!live()) return;
+        cell.finished = true;
+        if (cell.rewritten) { // a leftover microtask stored more: the writes as they are now
+          try {
+            const now = cell.entry.applySync(undefined, ['writes'], { result: { copy: true } });
+            if (typeof now === 'string') done.writes = wellFormed(now);
+          } catch (error) {
+            // the isolate is gone: what the end reported stands
           }
-          send(done, done.writes.length * 2);
-          cell.exit('stopped');
-        });
-      }, ignored),
-      new ivm.Callback((id, ms) => {
-        if (!live() || !Number.isSafeInteger(id) || typeof ms !== 'number') return;
-        cell.timers.set(id, setTimeout(() => {
-          cell.timers.delete(id);
-          cell.enter('timer', id);
-        }, Math.min(Math.max(ms, 0), 0x7fffffff)));
-      }, ignored),
-      new ivm.Callback((id) => {
-        const handle = cell.timers.get(id);
-        if (handle !== undefined) {
-          clearTimeout(handle);
-          cell.timers.delete(id);
         }
-      }, ignored),
-      new ivm.Callback(() => {
-        if (live()) cell.rewritten = true;
-      }, ignored),
-    ];
+        send(done, done.writes.length * 2);
+        cell.exit('stopped');
+      });
+    };
+    const setTimer = (id, ms) => {
+      if (!live() || !Number.isSafeInteger(id) || typeof ms !== 'number') return;
+      cell.timers.set(id, setTimeout(() => {
+        cell.timers.delete(id);
+        cell.enter('timer', id);
+      }, Math.min(Math.max(ms, 0), 0x7fffffff)));
+    };
+    const clearTimer = (id) => {
+      const handle = cell.timers.get(id);
+      if (handle !== undefined) {
+        clearTimeout(handle);
+        cell.timers.delete(id);
+      }
+    };
+    const rewritten = () => {
+      if (live()) cell.rewritten = true;
+    };
+    return new ivm.Callback((kind, a, b, c, d, e) => {
+      switch (kind) {
+        case 0: item(a, b, c); break;
+        case 1: call(a, b, c); break;
+        case 2: notify(a); break;
+        case 3: yieldTurn(a); break;
+        case 4: finish(a, b, c, d, e); break;
+        case 5: setTimer(a, b); break;
+        case 6: clearTimer(a); break;
+        case 7: rewritten(); break;
+        default: break;
+      }
+    }, { ignored: true });
   }
 }
 
@@ -341,8 +360,12 @@ function prepare(limit) {
   if (preludeCache === null) preludeCache = prelude.cachedData || null;
   else if (prelude.cachedDataRejected) preludeCache = null; // made anew by the next compile
   const install = prelude.runSync(cell.context, { reference: true });
-  cell.entry = install.applySync(undefined, [...cell.callbacks(), WRAP_HEAD.length],
+  cell.entry = install.applySync(undefined, [cell.callback(), WRAP_HEAD.length],
     { result: { reference: true } });
+  // Handles released as soon as they are spent: each one left to the main realm's collector
+  // is a weak handle its scavenges visit (they were most of a scavenge's pause).
+  install.release();
+  prelude.release();
   return cell;
 }
 
@@ -429,6 +452,7 @@ function exec(message) {
         columnOffset: -WRAP_HEAD.length,
       });
       fn = script.runSync(cell.context, { reference: true });
+      script.release();
     } catch (thrown) {
       // Valid as a module but not as a function body (`export`, `import.meta`): not a cell.
       error = compileErrorText(thrown);
@@ -440,6 +464,7 @@ function exec(message) {
   }
   send({ t: 'started', cell: cell.id });
   cell.enter('run', fn.derefInto());
+  fn.release(); // what derefInto passed is the isolate's own now
 }
 
 // V8 in a bare isolate rejects `import(x)` with its own "Not supported" error; cells must see

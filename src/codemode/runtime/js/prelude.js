@@ -1,15 +1,26 @@
 // The code-mode prelude: the JavaScript API a cell sees (runtime.md §3-§12).
 //
 // host.js evaluates this file in the cell's own bare V8 isolate (isolated-vm), before any cell
-// code, and calls the function it yields with eight host callbacks. The callbacks copy their
-// primitive arguments to the host and return nothing, so no object of the host ever exists in
+// code, and calls the function it yields with one host callback, whose first argument says what
+// is asked (an isolate holds one host handle, not one per kind). The callback copies its
+// primitive arguments to the host and returns nothing, so no object of the host ever exists in
 // here; the function returns `entry`, the host's only way in (configure, run, deliver results,
-// fire timers, read the writes again). Everything this file relies on is captured before cell code runs, and every
-// argument a cell passes is read once, so overriding built-ins or passing getters and proxies can
-// only change what that cell itself sees.
-(function installPrelude(hostItem, hostCall, hostNotify, hostYield, hostFinish, hostSetTimer,
-  hostClearTimer, hostRewritten, wrapColumns) {
+// fire timers, read the writes again). Everything this file relies on is captured before cell
+// code runs, and every argument a cell passes is read once, so overriding built-ins or passing
+// getters and proxies can only change what that cell itself sees.
+(function installPrelude(host, wrapColumns) {
   'use strict';
+
+  // Fixed arities: no spread, whose iterator a cell could replace. The numbers are host.js's.
+  const hostItem = (type, value, detail) => host(0, type, value, detail);
+  const hostCall = (id, tool, input) => host(1, id, tool, input);
+  const hostNotify = (text) => host(2, text);
+  const hostYield = (turn) => host(3, turn);
+  const hostFinish = (error, writes, tool, line, column) =>
+    host(4, error, writes, tool, line, column);
+  const hostSetTimer = (id, ms) => host(5, id, ms);
+  const hostClearTimer = (id) => host(6, id);
+  const hostRewritten = () => host(7);
 
   const g = globalThis;
   // Captured before cell code runs, so a cell that overwrites globals cannot break the helpers.
