@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,21 @@ def test_run_waits_on_a_yielding_cell_until_it_completes() -> None:
     merged = codemode("run", "-", "--yield-ms", "300", "--json", stdin=source)
     items = json.loads(merged.stdout)["Result"]["content_items"]
     assert [item["text"] for item in items] == ["a", "b"]
+
+
+def test_run_timeout_terminates_a_cell_that_runs_on() -> None:
+    started = time.monotonic()
+    result = codemode("run", "-", "--timeout", "1", stdin=b'text("a"); while (true) {}')
+    assert result.returncode == 124, result.stderr
+    assert time.monotonic() - started < 15  # stopped at the deadline, not waited on for ever
+    out = result.stdout.decode()
+    assert out.index("\na\n") < out.index("Script terminated")
+    assert b"terminated after --timeout 1 s" in result.stderr
+    # A cell that completes in time is not affected; --json still prints one response.
+    quick = codemode("run", "-", "--timeout", "30", "--json", stdin=b'text("ok")')
+    assert quick.returncode == 0, quick.stderr
+    assert json.loads(quick.stdout)["Result"]["content_items"][0]["text"] == "ok"
+    assert codemode("run", "-", "--timeout", "0", stdin=b"").returncode == 2
 
 
 def test_run_pragma_is_honoured() -> None:

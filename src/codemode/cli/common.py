@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 from collections.abc import Callable, Coroutine
 from typing import Any, Final, TypeVar
 
@@ -21,6 +22,7 @@ __all__ = [
     "loop_argument",
     "non_negative",
     "positive",
+    "positive_seconds",
     "run_main",
     "wire_revision_argument",
 ]
@@ -48,6 +50,17 @@ def positive(text: str) -> int:
     value = non_negative(text)
     if value == 0:
         raise argparse.ArgumentTypeError("expected a positive integer, got 0")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r}")
     return value
 
 

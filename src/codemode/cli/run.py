@@ -14,6 +14,7 @@ from codemode.cli.common import (
     local_provider,
     loop_argument,
     non_negative,
+    positive_seconds,
     run_main,
 )
 from codemode.errors import CodeModeError
@@ -36,11 +37,14 @@ from codemode.protocol import (
     Yielded,
     parse_exec_source,
 )
-from codemode.protocol.constants import DEFAULT_WAIT_YIELD_TIME_MS
+from codemode.protocol.constants import DEFAULT_EXEC_YIELD_TIME_MS, DEFAULT_WAIT_YIELD_TIME_MS
 from codemode.protocol.v1 import encode_payload
 from codemode.protocol.v1.conversions import runtime_response_to_wire
 
 __all__ = ["add_parser"]
+
+#: Exit status of a run whose cell was terminated at --timeout (as timeout(1) exits).
+TIMED_OUT = 124
 
 
 def _describe_item(item: ContentItem) -> str:
@@ -178,6 +182,14 @@ async def _run_cell(
         max_tokens = parsed.max_output_tokens
     progress = sys.stderr.isatty() and not args.json
     started_at = time.monotonic()
+    deadline = None if args.timeout is None else started_at + args.timeout
+
+    def capped(ms: int) -> int:
+        # Each observation ends by the deadline, so the cell is stopped there and not later.
+        if deadline is None:
+            return ms
+        return min(ms, max(0, int((deadline - time.monotonic()) * 1000)))
+
     collected: list[ContentItem] = []
     async with local_provider(args) as provider:
         session = await provider.create_session(registry)
@@ -186,12 +198,15 @@ async def _run_cell(
                 tool_call_id="run-1",
                 source=parsed.code,
                 enabled_tools=registry.definitions(),
-                yield_time_ms=yield_ms,
+                yield_time_ms=yield_ms
+                if deadline is None
+                else capped(DEFAULT_EXEC_YIELD_TIME_MS if yield_ms is None else yield_ms),
                 max_output_tokens=max_tokens,
             )
         )
         response = await cell.initial_response()
         observed_at = started_at
+        timed_out = False
         while True:
             response = in_source_lines(response, parsed.removed_lines)
             now = time.monotonic()
@@ -207,11 +222,16 @@ async def _run_cell(
             if not isinstance(response, Yielded):
                 break
             observed_at = now
-            outcome = await session.wait(
-                WaitRequest(
-                    cell.cell_id, DEFAULT_WAIT_YIELD_TIME_MS if yield_ms is None else yield_ms
+            if deadline is not None and now >= deadline:
+                timed_out = True
+                outcome = await session.terminate(cell.cell_id)
+            else:
+                outcome = await session.wait(
+                    WaitRequest(
+                        cell.cell_id,
+                        capped(DEFAULT_WAIT_YIELD_TIME_MS if yield_ms is None else yield_ms),
+                    )
                 )
-            )
             response = outcome.response
     if args.json:
         final: RuntimeResponse
@@ -221,6 +241,11 @@ async def _run_cell(
             final = Terminated(response.cell_id, collected)
         sys.stdout.buffer.write(encode_payload(runtime_response_to_wire(final)) + b"\n")
         sys.stdout.flush()
+    if timed_out and not isinstance(response, Result):
+        print(
+            f"codemode: the cell was terminated after --timeout {args.timeout:g} s", file=sys.stderr
+        )
+        return TIMED_OUT
     failed = isinstance(response, Result) and response.error_text is not None
     return 1 if failed else 0
 
@@ -245,7 +270,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "of --tools and --mcp, and a cell that yields is waited on until it completes. Prints what the "
         "model would see; --json prints the final RuntimeResponse (all items of the run) as one "
         "line of V1 wire JSON; --describe prints the exec tool's description instead. Exit status: "
-        "0 completed, 1 script error, 2 usage error.",
+        "0 completed, 1 script error, 2 usage error, 124 terminated at --timeout.",
     )
     run.add_argument(
         "file", nargs="?", metavar="FILE", help="JavaScript source file, or - for stdin"
@@ -269,6 +294,13 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     run.add_argument(
         "--max-output-tokens", type=non_negative, metavar="N", help="output budget per observation"
+    )
+    run.add_argument(
+        "--timeout",
+        type=positive_seconds,
+        metavar="SECONDS",
+        help="terminate the cell if it has not completed after this long (exit status 124); "
+        "by default a cell that yields is waited on until it completes",
     )
     run.add_argument("--json", action="store_true", help="print the final response as wire JSON")
     run.add_argument(
