@@ -54,6 +54,7 @@ from benchmarks.common import (
     run_on_loop,
 )
 from codemode.model import ToolRegistry
+from codemode.model.worker_pool import shared_pool
 from codemode.protocol import (
     JSON,
     CodeModeNestedToolCall,
@@ -586,6 +587,8 @@ async def measure_registry(
                     samples.append(ms * 1e3 / (calls * rounds))
             base = statistics.median(bare)
             digits = 1 if kind == "seq" else 2
+            if kind == "seq":
+                rows.append(await thread_hop_floor(through["echo_sync"], base, calls, pids))
             for name, samples in through.items():
                 median = statistics.median(samples)
                 ratios.append(median / base)
@@ -602,6 +605,31 @@ async def measure_registry(
         return rows, ratios
     finally:
         await served.shutdown()
+
+
+async def thread_hop_floor(
+    sync: list[float], base: float, calls: int, pids: list[int]
+) -> Row:
+    """The floor of what a sync tool adds to a sequential call: one hop from the event loop to
+    the registry's worker thread and back (``WorkerPool.run`` of a no-op, awaited one by one in
+    this process), beside what the sync tool added over the bare delegate in the same run."""
+    pool = shared_pool()
+    samples: list[float] = []
+    for _ in range(CALL_CELLS):
+        await quiesce(pids)
+        started = time.perf_counter()
+        for _ in range(calls):
+            await pool.run(int)
+        samples.append((time.perf_counter() - started) * 1e6 / calls)
+    hop = statistics.median(samples)
+    added = statistics.median(sync) - base
+    return Row(
+        f"  floor: event loop -> sync-tool worker thread -> loop, {calls} awaited one by one, us",
+        f"{hop:.1f} ({min(samples):.1f}-{max(samples):.1f})",
+        f"{added:.1f}",
+        "what the sync tool added to the bare delegate's call (same run)",
+        f"{hop / added:.2f}x" if added > 0 else "n/a",
+    )
 
 
 async def measure_throughput(
