@@ -607,9 +607,7 @@ async def measure_registry(
         await served.shutdown()
 
 
-async def thread_hop_floor(
-    sync: list[float], base: float, calls: int, pids: list[int]
-) -> Row:
+async def thread_hop_floor(sync: list[float], base: float, calls: int, pids: list[int]) -> Row:
     """The floor of what a sync tool adds to a sequential call: one hop from the event loop to
     the registry's worker thread and back (``WorkerPool.run`` of a no-op, awaited one by one in
     this process), beside what the sync tool added over the bare delegate in the same run."""
