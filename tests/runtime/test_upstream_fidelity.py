@@ -200,10 +200,47 @@ CELLS = [
     'Promise.resolve().then(() => text("after exit")); exit()',
     'Promise.resolve().then(() => tools.echo({}).then(() => text("late"))); text("end")',
     'setTimeout(() => text("timer"), 0); Promise.resolve().then(() => text("micro"))',
+    # What a cell reads from stacks shows only its own frames, as upstream: none of the runtime's
+    # under a timer callback, a continuation after an await, or a failed call's site.
+    'setTimeout(() => { text(new Error("x").stack) }, 0); await new Promise(r => setTimeout(r, 20))',
+    "setTimeout(function named() { const o = {}; Error.captureStackTrace(o); text(o.stack) }, 0); "
+    "await new Promise(r => setTimeout(r, 20))",
+    'Error.prepareStackTrace = (e, s) => s.map(c => c.getFileName() + ":" + c.getFunctionName()).join("|"); '
+    'setTimeout(() => { text(new Error("x").stack) }, 0); await new Promise(r => setTimeout(r, 20))',
+    'Error.prepareStackTrace = (e, s) => { text(s.map(String).join("|")); return "p" }; '
+    'setTimeout(() => { throw new Error("t") }, 0); await new Promise(r => setTimeout(r, 20))',
+    'await tools.echo({}); text(new Error("x").stack)',
+    'await new Promise(r => setTimeout(r, 1)); text(new Error("x").stack)',
+    'Error.prepareStackTrace = (e, s) => s.map(c => c.getFileName() + ":" + c.isAsync()).join("|"); '
+    'await tools.echo({}); text(new Error("x").stack)',
+    'async function f() { await tools.echo({}); return new Error("x").stack } '
+    "text(await Promise.all([f()]).then(r => r[0]))",
+    'async function f() { await tools.echo({}); throw new Error("x") } '
+    "try { await f() } catch (e) { text(e.stack) }",
+    'Error.prepareStackTrace = (e, s) => { text(s.map(String).join("|")); return "p" }; await tools.fail({})',
+    'Object.defineProperty(Error, "prepareStackTrace", {get() { text("read"); return undefined }}); '
+    "await tools.fail({})",
+    # ... and what the cell overrides changes only what it itself sees.
+    'Error.captureStackTrace = () => { throw new Error("capture") }; await tools.fail({})',
+    'Reflect.apply = () => { throw new Error("apply") }; Function.prototype.bind = () => { throw new Error("bind") }; '
+    'setTimeout(() => text(new Error("t").stack), 0); await new Promise(r => setTimeout(r, 20))',
+    'Object.prototype.get = () => 1; text("x")',
+    'Object.prototype.get = () => 1; setTimeout(() => text("t"), 0); '
+    'await new Promise(r => setTimeout(r, 20)); text("end")',
+    'String.prototype.split = () => ["split"]; throw new Error("x")',
+    'Array.prototype[Symbol.iterator] = function* () { yield "iterated" }; throw new Error("x")',
+    'Array.prototype.join = () => "joined"; throw new Error("x")',
+    'RegExp.prototype[Symbol.replace] = () => "replaced"; eval("throw new Error(\\"e\\")")',
+    # eval origins in error texts, on the first line too
+    "eval(\"eval('throw new Error(1)')\")",
+    "new Function(\"throw new Error('f')\")()",
+    'text(1); eval("throw new Error(2)")\n  eval("throw new Error(3)")',
     # differences (DIFFERENCES)
     "generatedImage([])",
     'image({type: "image", data: "AAA", mimeType: "", mime_type: "image/x"})',
     "text(typeof Math.sumPrecise)",
+    "text(eval(\"new Error('e')\").stack)",
+    'text({toJSON() { return new Error("tj").stack }})',
 ]
 
 _PLACE = "our syntax errors name their place (exec_main.mjs:LINE:COL)"
@@ -223,6 +260,11 @@ DIFFERENCES: dict[str, str] = {
     "an empty `mimeType` counts as missing, so `mime_type` is used; upstream takes "
     "application/octet-stream once `mimeType` is present",
     "text(typeof Math.sumPrecise)": _V8 + " (Math.sumPrecise exists upstream)",
+    "text(eval(\"new Error('e')\").stack)": "the origin of an eval made on the first line, as "
+    "the cell reads it, counts the columns of our wrapper's header (V8 gives eval origins without "
+    "the script's offsets; error texts are corrected)",
+    'text({toJSON() { return new Error("tj").stack }})': "cell code that a helper calls "
+    "(toJSON, getters, toString) sees the helper's frames: ours are JavaScript, upstream's native",
 }
 
 #: Differences of one release only (release → cell → why).

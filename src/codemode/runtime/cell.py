@@ -62,6 +62,15 @@ _DECODER: Final = msgspec.json.Decoder()
 MAX_BUFFERED_OUTPUT_CHARS: Final = 16 * 1024 * 1024
 #: What each buffered item counts for besides its characters (bounds floods of empty items).
 ITEM_OVERHEAD_CHARS: Final = 64
+#: The most characters of tool inputs and notification texts a session may have handed to its
+#: delegate and not yet seen settled (each one stays in memory until then). As large as one tool
+#: input may be (the prelude's bound), so that a lone call of any allowed size still goes out.
+MAX_PENDING_INPUT_CHARS: Final = 128 * 1024 * 1024
+#: How a call over that bound is refused (the cell sees it as the call's rejection).
+PENDING_INPUTS_TOO_LARGE: Final = (
+    "tool call refused: the unsettled tool inputs and notifications of this session would "
+    f"exceed {MAX_PENDING_INPUT_CHARS} characters"
+)
 #: Error texts longer than this are cut (a cell can throw a string of any size). As large as the
 #: output one observation may buffer: the upstream host keeps a thrown string of megabytes whole.
 MAX_ERROR_TEXT_CHARS: Final = 16 * 1024 * 1024
@@ -272,8 +281,11 @@ class Cell:
             self._arm(self._observer)
 
     def on_item(self, item: ContentItem) -> None:
-        # An item the cell made before a termination stopped it is part of its `Terminated`.
-        if self._state is not _State.RUNNING and self._state is not _State.TERMINATING:
+        # An item the cell made before a termination stopped it is part of its `Terminated`
+        # (within the same bound: an engine that goes on sending cannot grow it further).
+        if self._state is not _State.RUNNING and (
+            self._state is not _State.TERMINATING or self._buffered > MAX_BUFFERED_OUTPUT_CHARS
+        ):
             return
         self._items.append(item)
         self._buffered += ITEM_OVERHEAD_CHARS
@@ -309,6 +321,12 @@ class Cell:
         if self._session.pending_calls >= MAX_PENDING_DELEGATE_CALLS:
             self._engine.send_result(self.key, call_id, False, TOO_MANY_CALLBACKS)
             return
+        # Each unsettled input stays in this process (its text and its decoded value) until its
+        # tool answers: with a slow tool, 1,024 large inputs would exhaust the host's memory.
+        size = 0 if input_json is None else len(input_json)
+        if self._session.pending_input_chars + size > MAX_PENDING_INPUT_CHARS:
+            self._engine.send_result(self.key, call_id, False, PENDING_INPUTS_TOO_LARGE)
+            return
         try:
             arguments = None if input_json is None else _DECODER.decode(input_json)
         except msgspec.DecodeError:
@@ -326,6 +344,7 @@ class Cell:
             self._calls[call_id] = (task, token)
             self._session.pending_calls += 1
             task.add_done_callback(self._session.callback_done)
+            self._session.hold_input(task, size)
 
     def _settle_call(self, call_id: str, token: CancellationToken, result: CallbackResult) -> None:
         self._calls.pop(call_id, None)
@@ -350,6 +369,9 @@ class Cell:
         if self._session.pending_calls >= MAX_PENDING_DELEGATE_CALLS:
             logger.warning("%s", notification_not_delivered(TOO_MANY_CALLBACKS))
             return
+        if self._session.pending_input_chars + len(text) > MAX_PENDING_INPUT_CHARS:
+            logger.warning("%s", notification_not_delivered(PENDING_INPUTS_TOO_LARGE))
+            return
         token = CancellationToken()
         call = self._session.delegate.notify(self._call_id, self.cell_id, text, token)
         task = serve_callback(call, _log_undelivered, notification=True)
@@ -357,6 +379,7 @@ class Cell:
             self._notifications[task] = token
             self._session.pending_calls += 1
             task.add_done_callback(self._session.callback_done)
+            self._session.hold_input(task, len(text))
             task.add_done_callback(self._notification_done)
 
     def _notification_done(self, task: asyncio.Future[None]) -> None:
@@ -365,7 +388,8 @@ class Cell:
     def on_done(
         self, error: str | None, writes: list[tuple[str, str]], call: tuple[int, int, int] | None
     ) -> None:
-        if error is not None and len(error) > MAX_ERROR_TEXT_CHARS:
+        # The engine host cuts a longer text the same way before sending it (room for its note).
+        if error is not None and len(error) > MAX_ERROR_TEXT_CHARS + 64:
             error = (
                 error[:MAX_ERROR_TEXT_CHARS]
                 + f"\n… (error text cut: {len(error)} characters in all)"

@@ -39,6 +39,8 @@ WATCHDOG_INTERVAL: Final = 0.05
 _PAGE_SIZE: Final = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 #: The default cap on one engine process's resident memory (also the heap of unlimited cells).
 DEFAULT_MEMORY_CAP_BYTES: Final = 2 * 1024 * 1024 * 1024
+#: How long an engine that said it is exiting may take to exit before it is stopped.
+EXITING_GRACE: Final = 5.0
 #: The largest frame the engine may send; its items are capped far below (16 Mi characters).
 MAX_ENGINE_FRAME_BYTES: Final = 256 * 1024 * 1024
 #: What a 4-byte length prefix can describe (what Python sends is bounded by its own limits).
@@ -115,9 +117,14 @@ class _Item(_Message, tag="item"):
     detail: Literal["auto", "low", "high", "original"] | None = None
 
 
+#: What a call id may be: the prelude makes `tool-N`. Bounded, since each unsettled call keeps its
+#: id in this process (the inputs are bounded by the session, cell.py).
+_CallId = Annotated[str, msgspec.Meta(max_length=64)]
+
+
 class _Call(_Message, tag="call"):
     cell: int
-    id: str
+    id: _CallId
     tool: int
     input: str | None
 
@@ -145,7 +152,7 @@ class _Done(_Message, tag="done"):
 class _Exited(_Message, tag="exited"):
     cell: int
     reason: Literal["stopped", "oom", "crashed"]
-    detail: str | None = None
+    detail: Annotated[str, msgspec.Meta(max_length=64 * 1024)] | None = None  # only logged
 
 
 _EngineMessage = _Ready | _Exiting | _Started | _Item | _Call | _Notify | _Yield | _Done | _Exited
@@ -156,6 +163,10 @@ _WRITES: Final = msgspec.json.Decoder(list[tuple[str, msgspec.Raw]])
 def _item(message: _Item) -> ContentItem:
     if message.type == "input_text":
         return InputText(message.value)
+    # The prelude and host.js let only base64 data: URLs out; anything else (a remote URL the
+    # model's client might fetch) comes from a compromised engine.
+    if message.value[:5].lower() != "data:":
+        raise EngineBreach(f"{message.type} item whose URL is not a data: URL")
     if message.type == "input_image":
         if message.detail is None:
             raise EngineBreach("image item without detail")
@@ -419,6 +430,10 @@ class NodeEngine:
             transport.kill()
         self._host_exited()
 
+    def _overdue_exit(self, transport: asyncio.SubprocessTransport | None) -> None:
+        if transport is not None and self._transport is transport:
+            self._breach(f"the engine announced its exit but did not exit within {EXITING_GRACE} s")
+
     def _watch(self) -> None:
         # From outside the engine, so that nothing running in it can blind the watchdog.
         self._watchdog = None
@@ -559,7 +574,13 @@ class NodeEngine:
                     self._ready.set_result(None)
                 continue
             if isinstance(message, _Exiting):
-                self._exiting = True
+                if not self._exiting:
+                    self._exiting = True
+                    # An engine that announces its exit and stays would hold every later start
+                    # (which waits for it to be gone): it is stopped if it has not gone soon.
+                    asyncio.get_running_loop().call_later(
+                        EXITING_GRACE, self._overdue_exit, self._transport
+                    )
                 continue
             events = cells.get(message.cell)
             if events is None:

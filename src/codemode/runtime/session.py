@@ -205,6 +205,7 @@ class LocalSession(CodeModeSession):
         self._taking: asyncio.Lock = asyncio.Lock()
         self._preparing: asyncio.Task[NodeEngine] | None = None
         self.pending_calls = 0  # unresolved nested calls and notifications of all cells
+        self.pending_input_chars = 0  # characters of their inputs and texts (cell.py bounds it)
         self.delegate = delegate
         self.limits = limits or CodeModeSessionCellExecutionLimits()
         check_limits(self.limits)
@@ -377,6 +378,16 @@ class LocalSession(CodeModeSession):
     def callback_done(self, _: object) -> None:
         """A nested call or notification of one of this session's cells resolved."""
         self.pending_calls -= 1
+
+    def hold_input(self, task: asyncio.Future[Any], size: int) -> None:
+        """Count ``size`` characters of a nested call's input (or a notification's text) until
+        ``task``, the callback serving it, is done."""
+        self.pending_input_chars += size
+
+        def release(_: object) -> None:
+            self.pending_input_chars -= size
+
+        task.add_done_callback(release)
 
     def _check_open(self) -> None:
         if self._shutting_down:

@@ -101,6 +101,33 @@ function wellFormed(value) {
 }
 
 // -- cells ---------------------------------------------------------------------------------------
+const DATA_URL = /^data:/i;
+// One message must fit a frame Python accepts (256 MiB), however its text escapes in JSON (up to
+// 6 bytes a character): a longer item is cut (past 16 Mi characters it ends its cell anyway), a
+// longer error text cut as Python cuts it, and anything else too large to send refused. A large
+// message travels alone in its frame (sendLarge).
+const MAX_MESSAGE_BYTES = 255 * 1024 * 1024;
+const LARGE_CHARS = 1024 * 1024;
+function sendLarge(message, chars) {
+  if (chars < LARGE_CHARS) {
+    send(message, chars * 2);
+    return;
+  }
+  flush();
+  send(message, chars * 2);
+  flush();
+}
+const MAX_ITEM_CHARS = MAX_MESSAGE_BYTES / 6;
+const MAX_ERROR_CHARS = 16 * 1024 * 1024;
+function tooLarge(text) {
+  if (text.length <= MAX_MESSAGE_BYTES / 6) return false;
+  try {
+    return Buffer.byteLength(JSON.stringify(text), 'utf8') > MAX_MESSAGE_BYTES;
+  } catch (error) {
+    return true; // longer than a string can be
+  }
+}
+const IMAGE_DETAILS = ['auto', 'low', 'high', 'original'];
 const cells = new Map(); // cell -> Cell
 // Isolates of completed cells, disposed a turn after the spare for the next cell was made (see
 // Cell.exit).
@@ -242,19 +269,32 @@ class Cell {
     const item = (type, value, detail) => {
       if (!live() || typeof value !== 'string') return;
       if (type !== 'input_text' && type !== 'input_image' && type !== 'input_audio') return;
-      const message = { t: 'item', cell: cell.id, type, value: wellFormed(value) };
-      if (type === 'input_image') message.detail = typeof detail === 'string' ? detail : 'high';
-      send(message, value.length * 2);
+      // What the prelude checked, checked again out of the cell's reach: media are data: URLs
+      // with a known detail (a cell that subverted its prelude gets nothing else out).
+      if (type !== 'input_text' && !DATA_URL.test(value)) return;
+      const kept = value.length > MAX_ITEM_CHARS ? value.slice(0, MAX_ITEM_CHARS) : value;
+      const message = { t: 'item', cell: cell.id, type, value: wellFormed(kept) };
+      if (type === 'input_image') message.detail = IMAGE_DETAILS.includes(detail) ? detail : 'high';
+      sendLarge(message, kept.length);
     };
     const call = (id, tool, input) => {
       if (!live() || typeof id !== 'string' || !Number.isSafeInteger(tool)) return;
       const text = typeof input === 'string' ? wellFormed(input) : null;
-      send({ t: 'call', cell: cell.id, id: wellFormed(id), tool, input: text },
-        text === null ? 64 : text.length * 2);
+      if (text !== null && tooLarge(text)) { // refused here, as the call's rejection
+        const refusal = `tool input of ${text.length} characters is too large to send`;
+        cell.enter('deliver', JSON.stringify([[id, false, refusal]]));
+        return;
+      }
+      sendLarge({ t: 'call', cell: cell.id, id: wellFormed(id), tool, input: text },
+        text === null ? 32 : text.length);
     };
     const notify = (text) => {
       if (!live() || typeof text !== 'string') return;
-      send({ t: 'notify', cell: cell.id, text: wellFormed(text) }, text.length * 2);
+      if (tooLarge(text)) {
+        console.error(`codemode engine host: a notification of ${text.length} characters dropped`);
+        return;
+      }
+      sendLarge({ t: 'notify', cell: cell.id, text: wellFormed(text) }, text.length);
     };
     const yieldTurn = (turn) => {
       if (!live() || !Number.isSafeInteger(turn)) return;
@@ -263,7 +303,11 @@ class Cell {
     const finish = (error, writes, tool, line, column) => {
       if (!live() || cell.ending) return;
       cell.ending = true;
-      const text = error === null ? null : wellFormed(String(error));
+      let text = error === null ? null : String(error);
+      if (text !== null && text.length > MAX_ERROR_CHARS) { // Python's cut, made before sending
+        text = `${text.slice(0, MAX_ERROR_CHARS)}\n… (error text cut: ${text.length} characters in all)`;
+      }
+      if (text !== null) text = wellFormed(text);
       const done = { t: 'done', cell: cell.id, error: text, writes: wellFormed(writes) };
       if (text !== null && Number.isSafeInteger(tool) && Number.isSafeInteger(line) &&
           Number.isSafeInteger(column) && line > 0 && column > 0) {
@@ -282,7 +326,12 @@ class Cell {
             // the isolate is gone: what the end reported stands
           }
         }
-        send(done, done.writes.length * 2);
+        if (tooLarge(done.writes)) {
+          done.writes = '[]';
+          done.error = 'exec cell store writes were discarded: they are too large to send';
+          delete done.call;
+        }
+        sendLarge(done, done.writes.length + (done.error === null ? 0 : done.error.length));
         cell.exit('stopped');
       });
     };

