@@ -207,6 +207,27 @@ CASES: Final[dict[str, list[Step]]] = {
         terminate(4, "1"),
         pause(0.3),
     ],
+    # A shutdown of a session with no cell is answered at once, before an open read with it
+    # (with a running cell, upstream answers either first: not a case here).
+    "shutdown and open read together": [
+        *OPENED,
+        together(
+            request(2, {"method": "session/shutdown", "sessionId": "s1"}),
+            open_session(3, "s2"),
+            open_session(4, "s3"),
+        ),
+        pause(0.4),
+    ],
+    "open, shutdown and a reopen read together": [
+        send(HELLO),
+        pause(0.2),
+        together(
+            open_session(1),
+            request(2, {"method": "session/shutdown", "sessionId": "s1"}),
+            open_session(3),
+        ),
+        pause(0.4),
+    ],
     # What the pinned specification decides differently (DIFFERENCES).
     "limits null": [send(HELLO), pause(0.2), open_session(1, cellExecutionLimits=None)],
     "hello offering the capabilities of 0.171.0": [

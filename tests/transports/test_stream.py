@@ -128,3 +128,25 @@ async def test_a_pulling_transport_refuses_a_sink() -> None:
     assert not transport.pushes
     with pytest.raises(RuntimeError):
         transport.push_to(lambda data, lane: None)
+
+
+async def test_unsent_counts_what_the_peer_has_not_read_until_it_drains_even_after_close() -> None:
+    loop = asyncio.get_running_loop()
+    read_end, write_end = os.pipe()
+    pipe, protocol = await loop.connect_write_pipe(
+        asyncio.streams.FlowControlMixin, os.fdopen(write_end, "wb", 0)
+    )
+    writer = asyncio.StreamWriter(pipe, protocol, None, loop)
+    transport = StreamTransport(asyncio.StreamReader(), writer)
+    assert transport.unsent() == 0
+    transport.send(b"x" * (1 << 20))
+    assert transport.unsent() > (1 << 20) - (1 << 17)  # a pipe holds far less than 1 MiB
+    await transport.close()  # what was queued still drains
+    reader = os.fdopen(read_end, "rb", 0)
+    read = 0
+    while read < 1 << 20:
+        read += len(await asyncio.to_thread(reader.read, 1 << 16))
+        await asyncio.sleep(0.01)
+    reader.close()
+    assert transport.unsent() == 0
+    assert StreamTransport(asyncio.StreamReader(), None).unsent() == 0

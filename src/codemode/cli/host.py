@@ -28,9 +28,13 @@ from codemode.host.address import (
     WebSocketAddress,
     is_loopback,
 )
-from codemode.protocol.constants import DEFAULT_MAX_ACTIVE_CELLS, DEFAULT_MAX_IN_FLIGHT_REQUESTS
+from codemode.protocol.constants import (
+    DEFAULT_MAX_ACTIVE_CELLS,
+    DEFAULT_MAX_IN_FLIGHT_REQUESTS,
+    SHUTDOWN_TIMEOUT,
+)
 from codemode.runtime import confinement
-from codemode.transports import stdio_transport
+from codemode.transports import StreamTransport, stdio_transport
 
 if TYPE_CHECKING:
     from codemode.host.grpc import GrpcHostOptions, GrpcTls
@@ -54,6 +58,9 @@ async def _host_stdio(args: argparse.Namespace) -> int:
     try:
         transport = await stdio_transport()
         clean = await serve_v1_connection(transport, provider, _host_options(args))
+        # The answers written before stdin ended are the client's even if it reads them late:
+        # they leave before the process exits (or it exits non-zero: they were lost).
+        clean = await _stdout_flushed(transport, SHUTDOWN_TIMEOUT) and clean
     finally:
         if not warming.done():
             warming.cancel()
@@ -61,6 +68,23 @@ async def _host_stdio(args: argparse.Namespace) -> int:
             await warming
         await provider.aclose()
     return 0 if clean else 1
+
+
+async def _stdout_flushed(transport: StreamTransport, timeout: float) -> bool:
+    """Wait (at most ``timeout``) until what was sent on ``transport`` is written to stdout;
+    False, and an error logged, if some of it could not be."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while left := transport.unsent():  # a broken pipe drops what it held: 0
+        if loop.time() >= deadline:
+            logging.getLogger("codemode.host").error(
+                "code-mode host: %d bytes for the client were not written within %.0f s",
+                left,
+                timeout,
+            )
+            return False
+        await asyncio.sleep(0.01)
+    return True
 
 
 async def _host_websocket(

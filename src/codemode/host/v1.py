@@ -460,6 +460,14 @@ class V1HostConnection:
         if opening is not None:
             with contextlib.suppress(_OpenFailed):
                 session = await asyncio.shield(opening)
+        if session is not None and self.protocol.session_idle(event.session_id):
+            # No cell to wait for: answered at once, as upstream does (a session/open read with
+            # it is answered after it); the engine is released afterwards, still in this task,
+            # which the connection's end waits for.
+            self.protocol.session_shut_down(event.request_id)
+            self.flush()
+            await session.shutdown()
+            return
         if session is not None:
             await session.shutdown()
         self.protocol.session_shut_down(event.request_id)

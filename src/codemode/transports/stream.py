@@ -178,6 +178,14 @@ class StreamTransport:
         if self._pause_while_backlogged and self._backlogged():
             self.pause_reading()  # the peer does not take what we write: read no more for now
 
+    def unsent(self) -> int:
+        """Bytes sent here and not yet written to the peer (still queued, even after
+        :meth:`close`, which lets them drain); 0 when the writer does not tell."""
+        transport: asyncio.WriteTransport | None = getattr(self._writer, "transport", None)
+        if transport is None:
+            return 0
+        return transport.get_write_buffer_size()
+
     def _backlogged(self) -> bool:
         # Duck-typed: uvloop's transports are not subclasses of asyncio's.
         transport: asyncio.WriteTransport | None = getattr(self._writer, "transport", None)

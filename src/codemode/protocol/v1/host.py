@@ -185,6 +185,12 @@ class HostProtocol(Endpoint[wire.ClientToHost, wire.HostToClient, ev.HostEvent])
         request = self._requests.get(request_id)
         return request is not None and request.cancelled
 
+    def session_idle(self, session_id: str) -> bool:
+        """True when ``session_id`` is open with no cell the client knows of (none announced
+        and not yet closed) and no execute being admitted: its shutdown has nothing to wait for."""
+        session = self._sessions.get(session_id)
+        return session is not None and not session.admitting and not session.cells
+
     @property
     def pending_callbacks(self) -> int:
         """Callbacks sent (or queued) and neither answered nor revoked."""
