@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -23,22 +22,13 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from codemode.protocol.constants import MAX_FRAME_BYTES
+from tests.host.raw import HELLO, READY, compact
 from tests.wire import FrameReader, frame
 
 HOST_COMMAND: Final = [sys.executable, "-m", "codemode", "host", "--stdio"]
 READ_TIMEOUT: Final = 10.0  # a generous bound for one frame (the engine warms up meanwhile)
 EXIT_TIMEOUT: Final = 5.0  # cleanup after a connection error (SHUTDOWN_TIMEOUT)
 
-HELLO: Final = {
-    "type": "connection/hello",
-    "supportedVersions": [1],
-    "requiredCapabilities": [],
-    "optionalCapabilities": ["session-cell-execution-resource-limits"],
-}
-READY: Final = (
-    b'{"type":"connection/ready","selectedVersion":1,'
-    b'"capabilities":["session-cell-execution-resource-limits"]}'
-)
 OPEN: Final = {
     "type": "operation/request",
     "id": 1,
@@ -108,10 +98,6 @@ KNOWN_TAGS: Final = {
     "operation/cancel",
     "delegate/response",
 }
-
-
-def compact(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 # -- garbage ----------------------------------------------------------------------------------------

@@ -20,25 +20,12 @@ from typing import Any, Final
 
 import pytest
 
+from tests.host.raw import ECHO, HELLO
 from tests.upstream import DEFAULT_VERSION, LATEST_VERSION, unavailable_reason, upstream_host
 
 # ("send", message or raw payload bytes) | ("together", [those]) | ("sleep", seconds)
 Step = tuple[str, Any]
 
-HELLO: Final = {
-    "type": "connection/hello",
-    "supportedVersions": [1],
-    "requiredCapabilities": [],
-    "optionalCapabilities": ["session-cell-execution-resource-limits"],
-}
-ECHO: Final = {
-    "name": "echo",
-    "tool_name": {"name": "echo", "namespace": None},
-    "description": "Echo",
-    "kind": "function",
-    "input_schema": None,
-    "output_schema": None,
-}
 _TIMING: Final = re.compile(r'"(code_mode_host_duration_ns|result_buffered_for_ns)":\d+')
 
 

@@ -33,6 +33,7 @@ from codemode.protocol.v1.messages import (
     SessionWait,
     WireWaitRequest,
 )
+from tests.host.raw import ECHO, HELLO, READY, compact
 from tests.host.test_websocket import ECHO as WS_ECHO
 from tests.host.test_websocket import child_host, open_single
 from tests.host.test_websocket import execute as ws_execute
@@ -48,31 +49,9 @@ CODEX_HOST: Final = [
 READ: Final = 15.0  # one frame, the engine warming up meanwhile
 EXIT: Final = SHUTDOWN_TIMEOUT + 3.0
 
-HELLO: Final = {
-    "type": "connection/hello",
-    "supportedVersions": [1],
-    "requiredCapabilities": [],
-    "optionalCapabilities": ["session-cell-execution-resource-limits"],
-}
-READY: Final = (
-    b'{"type":"connection/ready","selectedVersion":1,'
-    b'"capabilities":["session-cell-execution-resource-limits"]}'
-)
-ECHO: Final = {
-    "name": "echo",
-    "tool_name": {"name": "echo", "namespace": None},
-    "description": "Echo",
-    "kind": "function",
-    "input_schema": None,
-    "output_schema": None,
-}
 L1: Final = "failed to read code-mode client hello: "
 L2: Final = "failed to read code-mode client message: "
 DECODE: Final = "failed to decode code-mode IPC frame: "
-
-
-def compact(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def request(request_id: int, body: dict[str, Any]) -> dict[str, Any]:
