@@ -342,9 +342,7 @@ class Cell:
         task = serve_callback(call, partial(self._settle_call, call_id, token))
         if task is not None:  # an eagerly started tool may already have answered
             self._calls[call_id] = (task, token)
-            self._session.pending_calls += 1
-            task.add_done_callback(self._session.callback_done)
-            self._session.hold_input(task, size)
+            self._session.hold_callback(task, size)
 
     def _settle_call(self, call_id: str, token: CancellationToken, result: CallbackResult) -> None:
         self._calls.pop(call_id, None)
@@ -377,9 +375,7 @@ class Cell:
         task = serve_callback(call, _log_undelivered, notification=True)
         if task is not None:
             self._notifications[task] = token
-            self._session.pending_calls += 1
-            task.add_done_callback(self._session.callback_done)
-            self._session.hold_input(task, len(text))
+            self._session.hold_callback(task, len(text))
             task.add_done_callback(self._notification_done)
 
     def _notification_done(self, task: asyncio.Future[None]) -> None:

@@ -375,16 +375,14 @@ class LocalSession(CodeModeSession):
             self._cancel_idle()
             self._idle_timer = self._loop.call_later(self._idle_timeout, self._reap_if_idle)
 
-    def callback_done(self, _: object) -> None:
-        """A nested call or notification of one of this session's cells resolved."""
-        self.pending_calls -= 1
-
-    def hold_input(self, task: asyncio.Future[Any], size: int) -> None:
-        """Count ``size`` characters of a nested call's input (or a notification's text) until
-        ``task``, the callback serving it, is done."""
+    def hold_callback(self, task: asyncio.Future[Any], size: int) -> None:
+        """Count a nested call or notification served by ``task``, and ``size`` characters of its
+        input or text, until ``task`` is done (one done callback for both counts)."""
+        self.pending_calls += 1
         self.pending_input_chars += size
 
         def release(_: object) -> None:
+            self.pending_calls -= 1
             self.pending_input_chars -= size
 
         task.add_done_callback(release)
