@@ -31,3 +31,23 @@ ECHO: Final = {
 def compact(value: Any) -> bytes:
     """``value`` as compact JSON (no spaces, non-ASCII kept), as hosts write it."""
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def request(request_id: int, body: dict[str, Any]) -> dict[str, Any]:
+    """An ``operation/request`` frame's message."""
+    return {"type": "operation/request", "id": request_id, "request": body}
+
+
+def execute(
+    request_id: int, source: str, yield_ms: int | None, session: str = "s1", **fields: Any
+) -> dict[str, Any]:
+    """A ``session/execute`` request for ``source`` with no tools (``fields`` add or replace)."""
+    body = {
+        "tool_call_id": "call-1",
+        "enabled_tools": [],
+        "source": source,
+        "yield_time_ms": yield_ms,
+        "max_output_tokens": None,
+        **fields,
+    }
+    return request(request_id, {"method": "session/execute", "sessionId": session, "request": body})

@@ -20,6 +20,7 @@ from typing import Any, Final
 
 import pytest
 
+from tests.host import raw
 from tests.host.raw import ECHO, HELLO
 from tests.upstream import DEFAULT_VERSION, LATEST_VERSION, unavailable_reason, upstream_host
 
@@ -44,7 +45,7 @@ def pause(seconds: float) -> Step:
 
 
 def request(request_id: int, body: dict[str, Any]) -> Step:
-    return send({"type": "operation/request", "id": request_id, "request": body})
+    return send(raw.request(request_id, body))
 
 
 def open_session(request_id: int, session: str = "s1", **fields: Any) -> Step:
@@ -58,15 +59,7 @@ def execute(
     session: str = "s1",
     **fields: Any,
 ) -> Step:
-    body = {
-        "tool_call_id": "call-1",
-        "enabled_tools": [],
-        "source": source,
-        "yield_time_ms": yield_ms,
-        "max_output_tokens": None,
-        **fields,
-    }
-    return request(request_id, {"method": "session/execute", "sessionId": session, "request": body})
+    return send(raw.execute(request_id, source, yield_ms, session, **fields))
 
 
 def wait(request_id: int, cell: str, yield_ms: int = 100) -> Step:

@@ -33,7 +33,8 @@ from codemode.protocol.v1.messages import (
     SessionWait,
     WireWaitRequest,
 )
-from tests.host.raw import ECHO, HELLO, READY, compact
+from tests.host import raw
+from tests.host.raw import ECHO, HELLO, READY, compact, request
 from tests.host.test_websocket import ECHO as WS_ECHO
 from tests.host.test_websocket import child_host, open_single
 from tests.host.test_websocket import execute as ws_execute
@@ -54,10 +55,6 @@ L2: Final = "failed to read code-mode client message: "
 DECODE: Final = "failed to decode code-mode IPC frame: "
 
 
-def request(request_id: int, body: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "operation/request", "id": request_id, "request": body}
-
-
 def open_session(request_id: int, session: str = "s1") -> dict[str, Any]:
     return request(request_id, {"method": "session/open", "sessionId": session})
 
@@ -69,15 +66,7 @@ def shutdown(request_id: int, session: str = "s1") -> dict[str, Any]:
 def execute(
     request_id: int, source: str, yield_ms: int = 5000, session: str = "s1", **fields: Any
 ) -> dict[str, Any]:
-    body = {
-        "tool_call_id": "call-1",
-        "enabled_tools": [],
-        "source": source,
-        "yield_time_ms": yield_ms,
-        "max_output_tokens": None,
-        **fields,
-    }
-    return request(request_id, {"method": "session/execute", "sessionId": session, "request": body})
+    return raw.execute(request_id, source, yield_ms, session, **fields)
 
 
 def wait(request_id: int, cell: str, session: str = "s1") -> dict[str, Any]:
