@@ -379,7 +379,15 @@ const WRAP_TAIL = '\n}; })';
 
 // A fresh isolate with the prelude installed, made while nothing waits for it: the next cell
 // with the same memory limit takes it (each isolate still serves exactly one cell).
-let spare = null; // { limit, cell }
+// One spare is made after each cell; a second only after a quiet while (IDLE_SPARE_MS without a
+// cell), when its making competes with nothing: the first two cells after a pause (an agent's
+// burst after its model's turn) then both find one. Back to back the second cell came before the
+// first's spare, deferred by AFTER_END_MS, was made, and made its isolate itself (+1.3 ms).
+// Spares of two limits may be kept (sessions of a shared engine with limits of their own).
+let spares = []; // { limit, cell }, oldest first
+const MAX_SPARES = 2;
+const IDLE_SPARE_MS = 50;
+let idleSpareTimer = null;
 const SPARE_DELAY_MS = 20;
 let spareTimer = null; // makes the spare while cells run on (cleared when one ends)
 // The spare (≈1.3 ms on this thread) and the disposal of the completed cell's isolate, made at
@@ -418,20 +426,38 @@ function prepare(limit) {
   return cell;
 }
 
-function prepareSpare(limit) {
-  if (spare !== null) return;
+// Makes spares of `limit` until there are `count`, dropping the oldest of other limits to stay
+// within MAX_SPARES.
+function prepareSpare(limit, count = 1) {
   try {
-    spare = { limit, cell: prepare(limit) };
+    while (spares.filter((spare) => spare.limit === limit).length < count) {
+      if (spares.length >= MAX_SPARES) {
+        const other = spares.findIndex((spare) => spare.limit !== limit);
+        if (other < 0) break;
+        dispose(spares.splice(other, 1)[0].cell.isolate); // its handles go with it
+      }
+      spares.push({ limit, cell: prepare(limit) });
+    }
   } catch (error) {
     console.error(`codemode engine host: cannot prepare an isolate: ${error && error.message}`);
+    return;
   }
+  if (idleSpareTimer !== null) clearTimeout(idleSpareTimer);
+  idleSpareTimer = count < MAX_SPARES ? setTimeout(() => {
+    idleSpareTimer = null;
+    if (cells.size === 0) prepareSpare(limit, MAX_SPARES);
+  }, IDLE_SPARE_MS) : null;
 }
 
 function takeIsolate(limit) {
-  if (spare !== null && spare.limit === limit && !spare.cell.isolate.isDisposed) {
-    const cell = spare.cell;
-    spare = null;
-    return cell;
+  if (idleSpareTimer !== null) {
+    clearTimeout(idleSpareTimer);
+    idleSpareTimer = null;
+  }
+  for (let i = spares.length - 1; i >= 0; i--) {
+    if (spares[i].limit !== limit) continue;
+    const cell = spares.splice(i, 1)[0].cell;
+    if (!cell.isolate.isDisposed) return cell;
   }
   return prepare(limit);
 }
