@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import math
 from collections.abc import Callable, Coroutine
@@ -171,4 +172,8 @@ def run_main(main: Callable[[], Coroutine[Any, Any, _T]], loop: str = "auto") ->
             # What we inherited (e.g. the copy of its stdout a uvloop client's spawn leaves
             # us) would otherwise outlive us in our engines: that client would not see us end.
             inherit_nothing()
+        # What start-up made (modules, classes, functions) lives as long as the process: out of
+        # the collector's reach, the full collections a busy host runs visit a quarter of the
+        # objects (host CPU per parallel nested call 23 -> 21 us; decision 0011).
+        gc.freeze()
         return runner.run(main())
