@@ -24,7 +24,9 @@ interleaved in one run:
 Figures: nested tool call round trip (a cell awaiting ``tools.echo`` one call at a time; each
 interval between two successive ``invoke_tool`` calls of the delegate is one round trip), 1,000
 calls per ``Promise.all`` (timed inside the cell, amortised per call), and ``execute`` -> initial
-response of ``text("hi")``. The footer checks the transport issue's goals: the stdio session adds
+response of ``text("hi")``; as a diagnostic, the CPU each process spent per parallel call (read from
+``/proc``: this process, which is the client or the embedded session, the host, the engine). The
+footer checks the transport issue's goals: the stdio session adds
 at most 1.5x the raw echo's round trip on top of the embedded round trip, and 1,000 parallel
 nested calls amortise to <= 30 us each over stdio. Last, with everything else closed, the raw echo
 runs with both ends blocking and pinned to one CPU, then to two: what a wake-up costs here.
@@ -65,6 +67,7 @@ from typing import IO, Any, Final, TypeVar
 from grpc import aio
 
 from benchmarks.common import (
+    cpu_ticks,
     loop_arguments,
     loop_source,
     only_text,
@@ -223,6 +226,11 @@ def child_pids(pid: int) -> list[int]:
     except OSError:
         return []
     return children
+
+
+def process_ticks(pids: list[int]) -> list[int]:
+    """CPU ticks used so far by this process, then by each of ``pids`` (0 where unknown)."""
+    return [cpu_ticks(pid) or 0 for pid in (os.getpid(), *pids)]
 
 
 async def bounded(awaitable: Awaitable[T]) -> T:
@@ -668,6 +676,20 @@ def _p50_mean(samples: list[float]) -> str:
     return f"{_us(percentile(samples, 50)):.0f} ({_us(statistics.fmean(samples)):.0f})"
 
 
+def _cpu_per_call(ticks: list[int] | None, *, host: bool = True) -> str:
+    """Ticks of the parallel rounds as microseconds of CPU per call, one figure per process."""
+    if not ticks or not any(ticks):
+        return "n/a"
+    calls = CELLS * PAR_ROUNDS * PAR_CALLS
+    # This process, the host (if any), then the engine: any later pid is an engine too (a spare).
+    split = 2 if host else 1
+    figures = [
+        f"{tick / os.sysconf('SC_CLK_TCK') / calls * 1e6:.1f}"
+        for tick in (*ticks[:split], sum(ticks[split:]))
+    ]
+    return " / ".join(figures) if host else f"{figures[0]} / - / {figures[1]}"
+
+
 def _verdict(met: bool) -> str:
     return "met" if met else "NOT met"
 
@@ -683,6 +705,8 @@ class Figures:
     par: dict[str, list[float]]
     execute: dict[str, list[float]]
     big: dict[tuple[str, int], list[float]]
+    #: CPU ticks the parallel rounds took, per session kind: this process, then each of its pids.
+    cpu: dict[str, list[int]]
 
 
 SESSION_KINDS: Final = ("stdio", "embedded", "grpc")
@@ -726,10 +750,15 @@ async def measure(
         await served.parallel()
     await bounded(grpc_echo.unary_burst(message, PAR_CALLS))
     await bounded(grpc_echo.stream_burst(message, PAR_CALLS))
+    cpu: dict[str, list[int]] = {}
     for _ in range(CELLS):
         for served in sessions:
             await quiesce(pids)
+            before = process_ticks(served.pids)
             par[served.name].append(await served.parallel())
+            spent = [b - a for a, b in zip(before, process_ticks(served.pids), strict=True)]
+            total = cpu.setdefault(served.name, [0] * len(spent))
+            total[:] = [a + b for a, b in zip(total, spent, strict=True)]
         await quiesce(pids)
         for _ in range(PAR_ROUNDS):
             par["echo"].append(await bounded(echo.burst(PAR_CALLS)))
@@ -763,7 +792,7 @@ async def measure(
             big[("echo", mib)].append(await bounded(bulk_echo.bulk(payload)) / 2)
             big[("grpc unary echo", mib)].append(await bounded(grpc_echo.unary_bulk(payload)) / 2)
             big[("grpc stream echo", mib)].append(await bounded(grpc_echo.stream_bulk(payload)) / 2)
-    return Figures(seq, par, execute, big)
+    return Figures(seq, par, execute, big, cpu)
 
 
 async def measure_load(sessions: list[Served]) -> dict[str, list[tuple[float, list[float]]]]:
@@ -848,6 +877,14 @@ def table(figures: Figures, note: str) -> tuple[list[Row], list[str]]:
             f"{_us(asyncio_seq - echo_seq):+.0f} / {_us(asyncio_par - echo_par):+.1f}",
             f"{_p50_mean(seq['echo'])} / {_us(echo_par):.1f}",
             f"{(asyncio_seq - echo_seq) / echo_seq:.1f}x / {(asyncio_par - echo_par) / echo_par:.1f}x",
+        ),
+        Row(
+            "diagnostic: CPU per parallel call, us: this process (client) / host / engine",
+            _cpu_per_call(figures.cpu.get("stdio")),
+            _cpu_per_call(figures.cpu.get("embedded"), host=False),
+            "-",
+            "-",
+            "-",
         ),
     ]
     budget = GOAL_OVERHEAD_VS_ECHO * echo_seq
