@@ -9,6 +9,7 @@ Each test says in a comment what protection it guards; each fails if that protec
 * resources: code that never yields (a catastrophic regular expression, endless microtasks) is
   still stopped by ``terminate``; messages too large for a frame (escaped text, a huge thrown
   string, a huge notification) end only their cell, with the spec's outcome, not the engine;
+  what V8 prints to stdout (asm.js verdicts) is not read as frames;
 * the engine message layer: a forged media URL that is not a ``data:`` URL, an engine that
   announces its exit and stays, out-of-range numbers and messages after a cell's end;
 * the host's health: tool inputs a slow tool has not answered are bounded per session.
@@ -246,6 +247,24 @@ async def test_an_item_that_escapes_past_the_frame_cap_ends_only_its_cell(
     assert result.error_text == (
         f"exec cell output exceeds the limit of {MAX_BUFFERED_OUTPUT_CHARS} characters"
     )
+    await assert_engine_survived(session, pid, parked_id)
+
+
+async def test_what_v8_prints_to_stdout_does_not_reach_the_frames(
+    provider: LocalSessionProvider,
+) -> None:
+    # Guards: the engine's frames travel on a descriptor of their own, not stdout. V8 prints its
+    # asm.js verdicts there ("Invalid asm.js: ..."): read as frames, they were a breach that
+    # killed the engine and every cell in it (with a shared engine, every session's).
+    session = await provider.create_session(RecordingDelegate())
+    parked_id = await parked(session)
+    pid = session.engine.pid if session.engine is not None else None
+    source = (
+        '"use asm"; text("asm");\n'
+        'function m() { "use asm"; function f() { return 1; } return { f: f }; }\n'
+        "text(String(m().f()))"
+    )
+    assert texts(await run(session, source)) == ["asm", "1"]
     await assert_engine_survived(session, pid, parked_id)
 
 

@@ -353,20 +353,26 @@ class NodeEngine:
         self._exit_reason = "the JavaScript engine process exited"
         self._exit_kind = "crashed"
         self._exiting = False
-        # The child's stdin and stdout are pipes of our own, connected straight to the loop:
-        # see _EngineOutput (stderr, only logged, stays a subprocess pipe).
+        # The child's stdin and its frames out are pipes of our own, connected straight to the
+        # loop: see _EngineOutput (stderr, only logged, stays a subprocess pipe). Its frames go
+        # out on a descriptor of their own, not stdout: V8 prints some diagnostics a cell can
+        # provoke (an invalid "use asm" function's) to stdout, and anything there is dropped.
         child_in, parent_out = os.pipe()
         parent_in, child_out = os.pipe()
+        command.append(str(child_out))
         preexec = child_preexec(
-            loop, confinement.preexec(read_paths, [Path(node)], unix_sockets=False)
+            loop,
+            confinement.preexec(read_paths, [Path(node)], unix_sockets=False),
+            pass_fds=(child_out,),
         )
         try:
             transport, _ = await loop.subprocess_exec(
                 lambda: _HostProtocol(self),
                 *command,
                 stdin=child_in,
-                stdout=child_out,
+                stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,
+                pass_fds=(child_out,),
                 preexec_fn=preexec,
                 env=_engine_environment(),
                 cwd="/",

@@ -1,15 +1,16 @@
 'use strict';
 // The code-mode engine host: one Node process that runs cells for a Python runtime.
 //
-// Started as `node [confinement flags] host.js ISOLATED_VM_DIR MEMORY_CAP_BYTES`. Each cell runs in
+// Started as `node [confinement flags] host.js ISOLATED_VM_DIR MEMORY_CAP_BYTES FRAMES_FD`. Each cell runs in
 // its own bare V8 isolate (the isolated-vm addon): no Node object, no `process`, no `require`
 // exists there, so cell code cannot reach this realm. The prelude (prelude.js) runs inside the
 // isolate and talks to this file only through a few copy-only callbacks that carry primitives;
 // this file stamps the cell id of every message itself (a cell cannot speak for another one).
 //
-// Python <-> host, over this process's stdin/stdout: a frame is a 4-byte little-endian length
-// and a UTF-8 JSON array of messages (a batch). Each side writes everything it queued in one
-// turn as one frame. stdout carries frames only; diagnostics go to stderr.
+// Python <-> host, over this process's stdin and the descriptor FRAMES_FD (a pipe of its own, not
+// stdout: V8 prints some diagnostics a cell can provoke to stdout, which goes nowhere): a frame is
+// a 4-byte little-endian length and a UTF-8 JSON array of messages (a batch). Each side writes
+// everything it queued in one turn as one frame. Diagnostics go to stderr.
 //
 // Python -> host
 //   {t:'exec', cell:int, heap:int|null, source:str, config:str}
@@ -38,10 +39,14 @@ const path = require('node:path');
 const { performance } = require('node:perf_hooks');
 
 for (const name of ['log', 'info', 'debug', 'warn']) console[name] = console.error;
+// A cell's "use asm" functions run as the plain JavaScript they also are: V8's translation of
+// them to WebAssembly (a compiler cells have no other way to reach) stays out of their reach.
+require('node:v8').setFlagsFromString('--no-validate-asm');
 
 const ivm = loadIsolatedVm(process.argv[2]);
 // The heap of a cell without a heap limit; the process as a whole is watched from Python.
 const MEMORY_CAP = Number(process.argv[3]) || 2 * 1024 * 1024 * 1024;
+const FRAMES_FD = Number(process.argv[4]);
 const PRELUDE_FILE = path.join(__dirname, 'prelude.js');
 const PRELUDE = fs.readFileSync(PRELUDE_FILE, 'utf8');
 // isolated-vm refuses smaller isolates; a smaller heap limit is still reported as asked.
@@ -82,7 +87,16 @@ function flush() {
   const frame = Buffer.allocUnsafe(4 + size);
   frame.writeUInt32LE(size, 0);
   frame.write(json, 4, 'utf8');
-  process.stdout.write(frame);
+  // Written at once and whole (the pipe blocks while full), as stdout's pipe would be.
+  for (let offset = 0; offset < frame.length;) {
+    try {
+      offset += fs.writeSync(FRAMES_FD, frame, offset);
+    } catch (error) {
+      if (error.code === 'EAGAIN') continue;
+      if (error.code === 'EPIPE') process.exit(0); // Python went away: nothing is left to serve
+      throw error;
+    }
+  }
 }
 
 function send(message, bytes) {
