@@ -637,7 +637,9 @@ function renameDynamicImports(source) {
             while (j < n && source[j] !== '\n') j++;
           } else break;
         }
-        if (source[j] === '(') {
+        // `import(...) {` is a method named import (`{ import(x) {} }`, `get import() {}`):
+        // a call is never followed by a block.
+        if (source[j] === '(' && !startsBlock(source, skipParens(source, j))) {
           out.push(source.slice(last, start), DYNAMIC_IMPORT);
           last = i;
         }
@@ -666,6 +668,8 @@ function renameDynamicImports(source) {
       valueBefore = true;
     } else if (/\s/.test(c)) {
       i++;
+    } else if ((c === '+' || c === '-') && source[i + 1] === c) {
+      i += 2; // after a value it is postfix and a value still ends here (`i++ / 2` divides)
     } else {
       i++;
       valueBefore = false;
@@ -674,6 +678,39 @@ function renameDynamicImports(source) {
   if (last === 0) return source;
   out.push(source.slice(last));
   return out.join('');
+}
+
+// The index just after the parenthesis that closes the one at `open` (strings, templates and
+// comments skipped), or the source's length.
+function skipParens(source, open) {
+  let depth = 0;
+  for (let i = open; i < source.length; i++) {
+    const c = source[i];
+    if (c === '(') depth++;
+    else if (c === ')' && --depth === 0) return i + 1;
+    else if (c === '"' || c === "'" || c === '`') {
+      for (i++; i < source.length && source[i] !== c; i++) if (source[i] === '\\') i++;
+    } else if (c === '/' && source[i + 1] === '*') {
+      const end = source.indexOf('*/', i + 2);
+      i = end < 0 ? source.length : end + 1;
+    } else if (c === '/' && source[i + 1] === '/') {
+      while (i < source.length && source[i] !== '\n') i++;
+    }
+  }
+  return source.length;
+}
+
+// Does a block (`{`) come at `i`, after blanks and comments?
+function startsBlock(source, i) {
+  for (;;) {
+    while (i < source.length && /\s/.test(source[i])) i++;
+    if (source[i] === '/' && source[i + 1] === '*') {
+      const end = source.indexOf('*/', i + 2);
+      i = end < 0 ? source.length : end + 2;
+    } else if (source[i] === '/' && source[i + 1] === '/') {
+      while (i < source.length && source[i] !== '\n') i++;
+    } else return source[i] === '{';
+  }
 }
 
 function compileErrorText(error) {
