@@ -28,6 +28,15 @@ from codemode.session import (
 from tests.contract.delegate import FIXTURE_TOOLS, RecordingDelegate
 from tests.upstream import DEFAULT_VERSION, LATEST_VERSION, unavailable_reason, upstream_host
 
+#: A WAV clip of 40 ms (1,000 Hz, one byte a frame): kept by the short-clip rule (runtime.md §5.5).
+_WAV_40_MS = (
+    "data:audio/wav;base64,UklGRkwAAABXQVZFZm10IBAAAAABAAEA6AMAAOgDAAABAAgAZGF0YSg" + "A" * 57
+)
+#: A WAV clip of 1 ms (8,000 Hz, 16-bit): omitted by the short-clip rule if its base64 decodes.
+_WAV_1_MS = (
+    "data:audio/wav;base64,UklGRiwAAABXQVZFZm10IBAAAAABAAEAQB8AAIA+AAACABAAZGF0YQgAAAAAAAAAAAAAAA=="
+)
+
 CELLS = [
     'text(1); text("a"); text(true); text(null); text(undefined); text(10n); text(1.5e300); text(-0); text(NaN)',
     'text({a: 1, b: [1, "x", null]}); text([1, [2, [3]]]); text(new Date(0)); text(/re/g); text(new Map([[1,2]]))',
@@ -77,6 +86,11 @@ CELLS = [
     'import x from "y"',
     'import("z")',
     'await import("z")',
+    # Methods named import are not dynamic imports; `++` ends a value (the `/` after it divides).
+    'const o = {import(x) { return x + 1 }, get import2() { return 2 }}; text(String(o.import(1)))',
+    "class C { static import(x) { return x * 3 } }; text(String(C.import(2)))",
+    "const o = { async import() { return 5 } }; text(String(await o.import()))",
+    'let i = 1; const q = i++ / 2; try { await import("z") } catch (e) { text(String(e)) }',
     "export const q = 1",
     "text(typeof console); text(typeof require); text(typeof process); text(typeof globalThis.fetch); text(typeof setInterval)",
     "text(typeof WebAssembly); text(typeof SharedArrayBuffer); text(typeof Atomics); text(typeof queueMicrotask); text(typeof structuredClone)",
@@ -235,12 +249,94 @@ CELLS = [
     "eval(\"eval('throw new Error(1)')\")",
     "new Function(\"throw new Error('f')\")()",
     'text(1); eval("throw new Error(2)")\n  eval("throw new Error(3)")',
+    # Found by the second differential sweep (docs/interop.md), each checked on both releases.
+    # An `image_url` object's `detail` whose read throws counts as absent: the item is made and the
+    # exception comes after it, unless the helper fails first.
+    'image({get detail() { throw "dt" }, image_url: "data:x"}, "low")',
+    'image({get detail() { throw "dt" }, image_url: "https://x"})',
+    'try { image({get detail() { throw new Error("d") }, image_url: "data:x"}) } catch (e) { text("c " + e.message) }',
+    'generatedImage({image_url: "data:x", get detail() { throw "gd" }, output_hint: "h"})',
+    # What reading the URL property throws is thrown as its text; a revoked proxy is no array.
+    'try { audio({get audio_url() { throw new Error("ge") }}) } catch (e) { text(typeof e); text(String(e)) }',
+    "const r = Proxy.revocable({}, {}); r.revoke(); "
+    "try { image(r.proxy) } catch (e) { text(typeof e); text(String(e)) }",
+    "const r = Proxy.revocable({}, {}); r.revoke(); generatedImage(r.proxy)",
+    # generatedImage: `output_hint` is read first, a throw there has upstream's own text; a
+    # function is an object like any other.
+    'generatedImage({image_url: "data:x", get output_hint() { throw new Error("oh") }})',
+    'generatedImage({image_url: 5, get output_hint() { throw "oh" }})',
+    'generatedImage(Object.assign(() => 1, {image_url: "data:x", output_hint: "h"}))',
+    # An MCP block is its own properties: nothing the cell put on Object.prototype.
+    'Object.prototype.mimeType = "image/evil"; Object.prototype._meta = {"codex/imageDetail": "low"}; '
+    'image({type: "image", data: "AAA"})',
+    'Object.prototype.type = "image"; image({data: "AAA"})',
+    'Object.prototype.data = "AAA"; audio({type: "audio"})',
+    'Object.prototype["codex/imageDetail"] = "low"; image({type: "image", data: "AAA", _meta: {}})',
+    # Built-ins the cell replaces change nothing the helpers do (a 40 ms WAV clip is kept).
+    'Math.min = () => 0; audio("' + _WAV_40_MS + '")',
+    # Only canonical standard base64 decodes: not the URL-safe alphabet, a missing padding or
+    # bits set past the last byte (the clip is kept, as on both releases).
+    'audio("' + _WAV_1_MS.replace("+", "-") + '"); audio("' + _WAV_1_MS.rstrip("=") + '"); '
+    'audio("' + _WAV_1_MS[:-4] + 'AB==")',
+    'String.fromCodePoint = () => "Z"; store("a\\u0000b", undefined)',
+    'Promise.reject = () => { throw "pr" }; await import("z")',
+    # The TypeError of a delay without a number starts at the cell's call.
+    "for (const d of [Symbol(), 1n]) try { setTimeout(() => {}, d) } catch (e) { text(e.stack) }",
+    # The cell's own unbound JSON.stringify frame stays in its error texts.
+    'const s = JSON.stringify; s({toJSON() { throw new Error("x") }})',
+    'throw {stack: "    at stringify (<anonymous>)\\nkeep"}',
+    # Guards of what already read the same.
+    'text({get a() { throw new Error("getter") }})',
+    'text(new Uint8Array([1, 2])); text(new ArrayBuffer(4)); text([1, , 3]); text({[Symbol("k")]: 1, a: 2}); '
+    "text(new Date(NaN))",
+    "const r = Proxy.revocable({}, {}); r.revoke(); text(r.proxy)",
+    'text(new Proxy({}, {ownKeys() { return ["a", "a"] }}))',
+    'store("k", {get x() { throw "gx" }})',
+    'store("a", new Map([[1, 2]])); store("b", [1, , 3]); store("c", 12345678901234567890); '
+    'text(JSON.stringify([load("a"), load("b"), load("c")]))',
+    'store("k", {a: 1}); const v = load("k"); v.a = 2; text(load("k").a); text(String(load("k") === load("k")))',
+    'store([1, 2], "a"); store(1e21, "b"); text(load("1,2") + load("1e+21"))',
+    'text({toJSON() { exit() }}); text("no")',
+    'Promise.resolve().then(() => yield_control()); text("a")',
+    'setTimeout(() => text("huge"), 2 ** 31); setTimeout(() => text("inf"), Infinity); '
+    'setTimeout(() => text("small"), 1); await new Promise(r => setTimeout(r, 30))',
+    'setTimeout(function (a) { text(String(this) + arguments.length + a) }, 1, "x"); '
+    "await new Promise(r => setTimeout(r, 30))",
+    'const a = setTimeout(() => { text("a"); clearTimeout(a) }, 1); const b = setTimeout(() => text("b"), 20); '
+    "clearTimeout(String(b)); await new Promise(r => setTimeout(r, 40))",
+    'setTimeout(async () => { throw "async" }, 1); await new Promise(r => setTimeout(r, 30)); text("end")',
+    'setTimeout(() => { Promise.resolve().then(() => text("m")); throw "t" }, 0); await new Promise(() => {})',
+    '(async () => { await new Promise(r => setTimeout(r, 5)); throw new Error("bg") })(); '
+    'await new Promise(r => setTimeout(r, 30)); text("ok")',
+    "new tools.echo({})",
+    "const p = tools.echo({}); text(String(p.constructor === Promise)); text(String(tools.echo({}) === p))",
+    'text(JSON.stringify([Object.getOwnPropertyDescriptor(globalThis, "text"), '
+    'Object.getOwnPropertyDescriptor(tools, "echo"), Object.getOwnPropertyDescriptor(globalThis, "globalThis")]))',
+    "text(String([Object.isFrozen(ALL_TOOLS), Object.isFrozen(ALL_TOOLS[0]), Object.isExtensible(tools)]))",
+    "text(JSON.stringify(await tools.echo({a: NaN, b: -0, c: 1e300, d: new Map(), e: new Uint8Array([1])})))",
+    'try { tools.echo({get x() { throw "gx" }}) } catch (e) { text("sync:" + e) }',
+    'text(Object.getOwnPropertyNames(globalThis).sort().join(","))',
+    'text(["Intl", "structuredClone", "queueMicrotask", "TextEncoder", "URL", "fetch", "require", "process", '
+    '"Deno", "Bun", "Buffer", "module", "window", "self", "global", "navigator", "performance", "crypto", '
+    '"atob", "setInterval", "setImmediate", "WeakRef", "Iterator", "DisposableStack", "Float16Array", '
+    '"Temporal", "gc", "print", "Realm", "Worker", "escape"].map(n => n + ":" + typeof globalThis[n]).join(" "))',
+    'throw new AggregateError([new Error("a")], "agg", {cause: 1})',
+    'const e = new Error("m"); e.name = "Custom"; Object.defineProperty(e, "stack", {get() { return "g" + e.name }}); '
+    "throw e",
+    'Error.stackTraceLimit = 0; throw new Error("nolimit")',
+    'class K { m() { return new Error("mt").stack } } text(new K().m())',
+    'using x = {[Symbol.dispose]() { text("disposed") }}; text("body")',
     # differences (DIFFERENCES)
     "generatedImage([])",
     'image({type: "image", data: "AAA", mimeType: "", mime_type: "image/x"})',
     "text(typeof Math.sumPrecise)",
     "text(eval(\"new Error('e')\").stack)",
     'text({toJSON() { return new Error("tj").stack }})',
+    'await {then() { throw new Error("then threw") }}',
+    'generatedImage(new Proxy([], {get(t, k) { return k === "image_url" ? "data:x" : t[k] }}))',
+    'throw new Error("m\\n    at codemode-prelude.js:1:1")',
+    "function deep(n) { return n ? deep(n - 1) + 1 : 0 } text(deep(50000))",
+    "text(typeof Uint8Array.fromBase64)",
 ]
 
 _PLACE = "our syntax errors name their place (exec_main.mjs:LINE:COL)"
@@ -265,6 +361,17 @@ DIFFERENCES: dict[str, str] = {
     "the script's offsets; error texts are corrected)",
     'text({toJSON() { return new Error("tj").stack }})': "cell code that a helper calls "
     "(toJSON, getters, toString) sees the helper's frames: ours are JavaScript, upstream's native",
+    'await {then() { throw new Error("then threw") }}': _V8 + " (a thenable's `then`, called by "
+    "an await, has the awaiting async frames upstream)",
+    'generatedImage(new Proxy([], {get(t, k) { return k === "image_url" ? "data:x" : t[k] }}))': (
+        "a proxy of an array is an array to JavaScript (Array.isArray), an object to upstream's "
+        "native check; JavaScript cannot tell a proxy from its target"
+    ),
+    'throw new Error("m\\n    at codemode-prelude.js:1:1")': "error texts leave out lines that "
+    "look like the runtime's own frames, also where the cell wrote them (a message, a `stack`)",
+    "function deep(n) { return n ? deep(n - 1) + 1 : 0 } text(deep(50000))": "our isolates' "
+    "stack is larger (some 100,000 frames of this function; upstream about 13,000 to 18,000)",
+    "text(typeof Uint8Array.fromBase64)": _V8 + " (Uint8Array.fromBase64 exists upstream)",
 }
 
 #: Differences of one release only (release → cell → why).
@@ -278,6 +385,8 @@ RELEASE_DIFFERENCES: dict[str, dict[str, str]] = {
         ),
         'Promise.resolve().then(() => text("after exit")); exit()': "0.149.0 runs the microtasks "
         "queued before exit(); runtime.md §9 and 0.171.0 admit no effect after it",
+        'String.fromCodePoint = () => "Z"; store("a\\u0000b", undefined)': "0.149.0 throws "
+        "`failed to serialize JavaScript value: …` (the later text is pinned)",
     },
     LATEST_VERSION: {
         'text(Object.keys(globalThis).join(","))': "0.171.0 adds globals the pinned spec does not "
@@ -285,6 +394,8 @@ RELEASE_DIFFERENCES: dict[str, dict[str, str]] = {
         'text(Object.getOwnPropertyNames(globalThis).filter(n => !/^[A-Z]/.test(n)).sort().join(","))': (
             "0.171.0 adds globals the pinned spec does not have (content, as_settled, stream_settled)"
         ),
+        'text(Object.getOwnPropertyNames(globalThis).sort().join(","))': "0.171.0 adds globals the "
+        "pinned spec does not have (content, as_settled, stream_settled)",
     },
 }
 

@@ -31,6 +31,11 @@
   const isArray = Array.isArray;
   const isFiniteNumber = Number.isFinite;
   const trunc = Math.trunc;
+  const floor = Math.floor;
+  const min = Math.min;
+  const fromCharCode = String.fromCharCode;
+  const fromCodePoint = String.fromCodePoint;
+  const hasOwn = Object.hasOwn;
   const PromiseCtor = Promise;
   const MapCtor = Map;
   const defineProperty = Object.defineProperty;
@@ -67,6 +72,8 @@
   const getOwnPropertyDescriptor = ObjectCtor.getOwnPropertyDescriptor;
   const setPrototypeOf = ObjectCtor.setPrototypeOf;
   const deleteProperty = Reflect.deleteProperty;
+  // A promise rejected with `reason`, without Promise.reject (a cell can replace it).
+  const rejected = (reason) => new PromiseCtor((resolve, reject) => reject(reason));
 
   for (const name of ['console', 'Atomics', 'SharedArrayBuffer', 'WebAssembly']) {
     delete g[name];
@@ -91,8 +98,10 @@
 
   // -- thrown values -> error text (§12) ---------------------------------------------------------
   // Frames of the host's own files say nothing to a model; the cell's frames (exec_main.mjs) stay.
-  // The prelude's own frames, and the frame of the captured JSON.stringify it calls.
-  const HOST_FRAME = /^\s+at (.*codemode-prelude\.js|stringify \(<anonymous>\)$)/;
+  // The prelude's own frames, and the frame of the captured JSON.stringify it calls (one right
+  // above a prelude frame: the cell's own unbound JSON.stringify shows the same, and stays).
+  const HOST_FRAME = /^\s+at .*codemode-prelude\.js/;
+  const STRINGIFY_FRAME = /^\s+at stringify \(<anonymous>\)$/;
   // The cell's first line shares its line with the host's wrapper (`wrapColumns` characters,
   // taken off every position V8 reports there) — but for the origin of an eval, which V8 gives
   // unadjusted: it is adjusted here.
@@ -112,15 +121,24 @@
   function cleanStack(stack) {
     let out = '';
     let first = true;
-    for (let start = 0; start <= stack.length;) {
-      let end = stringIndexOf(stack, '\n', start);
-      if (end < 0) end = stack.length;
-      const line = stringSlice(stack, start, end);
-      if (!reTest(HOST_FRAME, line)) {
+    let end = stringIndexOf(stack, '\n', 0);
+    if (end < 0) end = stack.length;
+    let line = stringSlice(stack, 0, end);
+    while (line !== null) {
+      let next = null;
+      if (end < stack.length) {
+        const start = end + 1;
+        end = stringIndexOf(stack, '\n', start);
+        if (end < 0) end = stack.length;
+        next = stringSlice(stack, start, end);
+      }
+      const ours = reTest(HOST_FRAME, line) ||
+        (next !== null && reTest(STRINGIFY_FRAME, line) && reTest(HOST_FRAME, next));
+      if (!ours) {
         out += (first ? '' : '\n') + shiftEvalOrigins(line);
         first = false;
       }
-      start = end + 1;
+      line = next;
     }
     return out;
   }
@@ -340,8 +358,17 @@
   const DETAILS = ['auto', 'low', 'high', 'original'];
   const DATA_PREFIX = /^data:/i;
 
+  // Array.isArray throws for a revoked proxy; upstream's native check sees no array there.
+  function isArrayValue(value) {
+    try {
+      return isArray(value);
+    } catch (error) {
+      return false;
+    }
+  }
+
   function isPlainObject(value) {
-    return value !== null && typeof value === 'object' && !isArray(value);
+    return value !== null && typeof value === 'object' && !isArrayValue(value);
   }
 
   // What a media helper reads of its argument, as the upstream host does: the URL property and
@@ -350,14 +377,29 @@
   // undefined has no JSON and throws. Anything else: null.
   const MCP_KEYS = ['type', 'data', 'mimeType', 'mime_type', '_meta'];
   function mediaFields(value, urlKey) {
-    if ((typeof value !== 'object' && typeof value !== 'function') || value === null || isArray(value)) {
+    if ((typeof value !== 'object' && typeof value !== 'function') || value === null || isArrayValue(value)) {
       return null;
     }
     const fields = { __proto__: null };
-    const url = value[urlKey];
+    let url;
+    try {
+      url = value[urlKey];
+    } catch (error) {
+      if (error === EXIT) throw error;
+      throw errorText(error); // as its text, as upstream
+    }
     if (url !== undefined) {
       fields[urlKey] = url;
-      if (urlKey === 'image_url') fields.detail = value.detail;
+      if (urlKey === 'image_url') {
+        // A `detail` whose read throws counts as absent: the item is made all the same and the
+        // exception comes after it (unless the helper fails first), as on the upstream host.
+        try {
+          fields.detail = value.detail;
+        } catch (error) {
+          if (error === EXIT) throw error;
+          fields.thrown = [error];
+        }
+      }
       return fields;
     }
     let json;
@@ -371,8 +413,14 @@
     if (refusal !== null) throw refusal;
     const block = parse(json);
     if (!isPlainObject(block)) return null;
-    for (let i = 0; i < MCP_KEYS.length; i++) fields[MCP_KEYS[i]] = block[MCP_KEYS[i]];
+    // Own properties only: what a cell put on Object.prototype is no part of the JSON.
+    for (let i = 0; i < MCP_KEYS.length; i++) fields[MCP_KEYS[i]] = ownValue(block, MCP_KEYS[i]);
     return fields;
+  }
+
+  // A property of a value made by JSON.parse, if it is its own.
+  function ownValue(object, key) {
+    return hasOwn(object, key) ? object[key] : undefined;
   }
 
   function mcpDataUrl(block, missingData) {
@@ -419,7 +467,7 @@
       if (value.type !== 'image') throw 'image only accepts MCP image blocks, got "' + value.type + '"';
       url = mcpDataUrl(value, 'image expected MCP image data');
       const meta = value._meta;
-      const hinted = isPlainObject(meta) ? meta['codex/imageDetail'] : undefined;
+      const hinted = isPlainObject(meta) ? ownValue(meta, 'codex/imageDetail') : undefined;
       if (typeof hinted === 'string' && within(DETAILS, hinted)) metaDetail = hinted;
     } else {
       throw IMAGE_ANY;
@@ -441,20 +489,33 @@
 
   function image(value, detail) {
     // Indexed, not destructured: destructuring runs Array.prototype[Symbol.iterator], the cell's.
-    const item = imageItem(typeof value === 'string' ? value : mediaFields(value, 'image_url'), detail);
+    const fields = typeof value === 'string' ? value : mediaFields(value, 'image_url');
+    const item = imageItem(fields, detail);
     emit('input_image', item[0], item[1]);
+    if (fields !== null && typeof fields === 'object' && fields.thrown !== undefined) throw fields.thrown[0];
   }
 
   function generatedImage(result) {
-    if (typeof result === 'function') throw EXPECTED_VALUE;
-    if (!isPlainObject(result)) throw 'generatedImage expects an image generation result object';
-    const hint = result.output_hint;
+    // A function is an object here (as upstream): its properties are read, and its JSON (none)
+    // throws only where a block would be read.
+    if (typeof result !== 'function' && !isPlainObject(result)) {
+      throw 'generatedImage expects an image generation result object';
+    }
+    let hint;
+    try {
+      hint = result.output_hint;
+    } catch (error) {
+      if (error === EXIT) throw error;
+      throw 'failed to read generatedImage output_hint'; // upstream's text, whatever was thrown
+    }
     if (hint !== undefined && typeof hint !== 'string') {
       throw 'generatedImage output_hint must be a string when provided';
     }
-    const item = imageItem(mediaFields(result, 'image_url'), undefined);
+    const fields = mediaFields(result, 'image_url');
+    const item = imageItem(fields, undefined);
     emit('input_image', item[0], item[1]);
     if (hint !== undefined) emit('input_text', hint);
+    if (fields !== null && fields.thrown !== undefined) throw fields.thrown[0];
   }
 
   const SHORT_AUDIO = 'Audio output omitted because the clip is shorter than 25 ms; use a longer clip.';
@@ -488,20 +549,36 @@
 
   // WAV clip shorter than 25 ms? (runtime.md §5.5) Reads the base64 text in place (a byte at a
   // time, only where the RIFF chunk headers are); not measurable -> false (keep the audio).
+  // Only canonical standard base64 decodes, as on the upstream host: its alphabet (no `-`, `_`),
+  // a length that is a multiple of 4 with its `=` padding, no bits set past the last byte.
   function sextet(code) {
     if (code >= 65 && code <= 90) return code - 65;
     if (code >= 97 && code <= 122) return code - 71;
     if (code >= 48 && code <= 57) return code + 4;
-    if (code === 43 || code === 45) return 62;
-    if (code === 47 || code === 95) return 63;
+    if (code === 43) return 62;
+    if (code === 47) return 63;
     return -1;
   }
+  function isCanonicalBase64(url, start) {
+    const n = url.length - start;
+    if (n % 4 !== 0) return false;
+    let end = url.length;
+    while (end > start && url.length - end < 2 && charCodeAt(url, end - 1) === 61) end--;
+    for (let i = start; i < end; i++) if (sextet(charCodeAt(url, i)) < 0) return false;
+    const padding = url.length - end;
+    if (padding === 0) return true;
+    const last = sextet(charCodeAt(url, end - 1));
+    return padding === 1 ? last % 4 === 0 : last % 16 === 0;
+  }
   function isShortWav(url, start) {
+    return isShortWavClip(url, start) && isCanonicalBase64(url, start);
+  }
+  function isShortWavClip(url, start) {
     let end = url.length;
     while (end > start && charCodeAt(url, end - 1) === 61) end--; // '=' padding
-    const total = Math.floor(((end - start) * 3) / 4);
+    const total = floor(((end - start) * 3) / 4);
     const byteAt = (index) => {
-      const group = start + Math.floor(index / 3) * 4;
+      const group = start + floor(index / 3) * 4;
       let bits = 0;
       for (let k = 0; k < 4; k++) {
         const at = group + k;
@@ -509,11 +586,11 @@
         if (value < 0) throw 0;
         bits = bits * 64 + value;
       }
-      return Math.floor(bits / 2 ** (8 * (2 - (index % 3)))) % 256;
+      return floor(bits / 2 ** (8 * (2 - (index % 3)))) % 256;
     };
     const u32 = (i) => byteAt(i) + byteAt(i + 1) * 256 + byteAt(i + 2) * 65536 + byteAt(i + 3) * 16777216;
     const u16 = (i) => byteAt(i) + byteAt(i + 1) * 256;
-    const tag = (i) => StringOf.fromCharCode(byteAt(i), byteAt(i + 1), byteAt(i + 2), byteAt(i + 3));
+    const tag = (i) => fromCharCode(byteAt(i), byteAt(i + 1), byteAt(i + 2), byteAt(i + 3));
     try {
       if (total < 12 || tag(0) !== 'RIFF' || tag(8) !== 'WAVE') return false;
       let offset = 12;
@@ -528,12 +605,12 @@
           rate = u32(body + 4);
           align = u16(body + 12);
         } else if (id === 'data') {
-          usable = Math.min(size, total - body);
+          usable = min(size, total - body);
         }
         offset = body + size + (size % 2);
       }
       if (usable < 0 || rate === 0 || align === 0) return false;
-      return Math.floor(usable / align) * 40 < rate;
+      return floor(usable / align) * 40 < rate;
     } catch (error) {
       return false;
     }
@@ -571,7 +648,7 @@
     let out = '"';
     for (let i = 0; i < key.length; i++) {
       const code = codePointAt(key, i);
-      const ch = StringOf.fromCodePoint(code);
+      const ch = fromCodePoint(code);
       if (code > 0xffff) i++;
       if (ch === '"') out += '\\"';
       else if (ch === '\\') out += '\\\\';
@@ -676,7 +753,17 @@
   // -- timers (§10) ------------------------------------------------------------------------------
   function setTimeout(callback, delay) {
     if (typeof callback !== 'function') throw 'setTimeout expects a function callback';
-    let ms = +delay; // ToNumber: a bigint or a symbol throws its TypeError (as upstream)
+    let ms;
+    try {
+      ms = +delay; // ToNumber: a bigint or a symbol throws its TypeError (as upstream)
+    } catch (error) {
+      // The engine made that TypeError here: its stack starts at the cell's call, as upstream's.
+      const type = typeof delay;
+      if ((type === 'symbol' || type === 'bigint') && error !== null && typeof error === 'object') {
+        captureStackTrace(error, setTimeout);
+      }
+      throw error;
+    }
     ms = !isFiniteNumber(ms) || ms <= 0 ? 0 : trunc(ms);
     const id = nextTimer++;
     if (settled) return id;
@@ -725,7 +812,7 @@
       }
       if (mapSize(pendingCalls) >= MAX_PENDING_CALLS) {
         // Refused like any call over a limit (a rejection), without a word to the host.
-        return PromiseCtor.reject('too many pending tool calls in this cell (limit ' + MAX_PENDING_CALLS + ')');
+        return rejected('too many pending tool calls in this cell (limit ' + MAX_PENDING_CALLS + ')');
       }
       const id = 'tool-' + nextCall++;
       // Not an Error: its text (formatted only if the call fails) reads no name or message of
@@ -793,7 +880,7 @@
   }
 
   // Every dynamic import() of the cell is renamed to a call of this (host.js).
-  const dynamicImport = () => PromiseCtor.reject('unsupported import in exec');
+  const dynamicImport = () => rejected('unsupported import in exec');
 
   // `wrapper` takes the dynamic-import function and returns the cell as an async function.
   // Cell code (the cell's body, a timer callback) is called from a microtask (later()), so that no
