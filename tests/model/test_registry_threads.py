@@ -270,3 +270,63 @@ async def test_a_loop_closed_before_its_stall_check_does_not_disarm_the_others()
         assert await asyncio.wait_for(pool.run(abs, -2), 10) == 2
     finally:
         release.set()
+
+
+@pytest.mark.timeout(30)
+async def test_queued_lanes_take_turns_for_the_threads() -> None:
+    pool = WorkerPool(max_workers=1, stall=30)  # one thread, never a second
+    entered, release = threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    def block() -> None:
+        entered.set()
+        release.wait(30)
+
+    try:
+        first = pool.submit(block, (), {}, "a")
+        assert await asyncio.to_thread(entered.wait, 10)
+        flood = [pool.submit(ran.append, (f"a{n}",), {}, "a") for n in range(100)]
+        other = pool.submit(ran.append, ("b",), {}, "b")
+        assert pool.queued == 101
+    finally:
+        release.set()
+    await asyncio.wait_for(asyncio.gather(first, other, *flood), 10)
+    # The other lane's call waits for one call of the flooding lane, not for the hundred.
+    assert ran[:3] == ["a0", "b", "a1"]
+    assert ran[3:] == [f"a{n}" for n in range(2, 100)]
+    assert pool.queued == 0
+
+
+@pytest.mark.timeout(60)
+async def test_a_cell_flooding_a_slow_sync_tool_does_not_starve_another_sessions_call() -> None:
+    # The worker threads are the process's: a cell's backlog of slow calls used to hold up
+    # every other session's sync calls until it had run through (minutes, for a long backlog).
+    done = 0
+    seen_when_b_ran: list[int] = []
+    registry = ToolRegistry()
+
+    @registry.tool
+    def slow() -> None:
+        nonlocal done
+        threading.Event().wait(0.05)
+        done += 1
+
+    @registry.tool
+    def quick() -> None:
+        seen_when_b_ran.append(done)
+
+    flood = "await Promise.all(Array.from({length: 400}, () => tools.slow()));"
+    async with CodeMode(registry) as a, CodeMode(registry) as b:
+        await a.start()
+        await b.start()
+        flooding = asyncio.create_task(
+            a.handle_exec("a", '// @exec: {"yield_time_ms": 60000}\n' + flood)
+        )
+        while done == 0:
+            await asyncio.sleep(0.01)
+        rendered = await asyncio.wait_for(b.handle_exec("b", "await tools.quick();"), 30)
+        assert rendered.success
+        await asyncio.wait_for(flooding, 50)
+    assert done == 400
+    (seen,) = seen_when_b_ran
+    assert seen < 200  # it ran among the first calls still to come, not after the 400

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from langchain_core.tools import StructuredTool, ToolException
+import pytest
+from langchain_core.tools import InjectedToolArg, StructuredTool, ToolException
 from langchain_core.tools import tool as langchain_decorator
 
 from codemode.model import CodeMode
@@ -56,3 +57,25 @@ try { await tools.multiply({a: "six", b: 7}) } catch (e) { text(String(e).split(
         '"no entry for missing"',  # handle_tool_error=True: LangChain returns the text
         "tool `multiply` failed: ValidationError: 1 validation error for multiply",
     ]
+
+
+@langchain_decorator
+def whoami(query: str, user_id: Annotated[str, InjectedToolArg] = "guest") -> str:
+    """Look a record up for the user the application says."""
+    return f"{user_id}: {query}"
+
+
+@pytest.mark.timeout(60)
+async def test_a_cell_cannot_set_an_argument_langchain_hides_from_the_model() -> None:
+    # An InjectedToolArg is the application's to supply; the cell used to set it at will.
+    item = langchain_tool(whoami)
+    assert render_tool_declaration(item.definition) == (
+        "whoami(args: { query: string; }): Promise<unknown>;"
+    )
+    source = (
+        "text(await tools.whoami({query: 'a'}));\n"
+        "text(await tools.whoami({query: 'b', user_id: 'admin'}));"
+    )
+    async with CodeMode([item]) as code_mode:
+        run = await run_cell(code_mode, source)
+    assert run.texts == ["guest: a", "guest: b"]

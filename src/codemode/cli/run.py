@@ -116,14 +116,18 @@ async def _run(args: argparse.Namespace) -> int:
     if args.file is None:
         print("codemode: run needs FILE (or - for stdin), or --describe", file=sys.stderr)
         return 2
-    if args.file == "-":
-        source = sys.stdin.read()
-    else:
-        try:
+    try:
+        if args.file == "-":
+            source = sys.stdin.read()
+            source.encode("utf-8")  # stdin may have let undecodable bytes through as surrogates
+        else:
             source = Path(args.file).read_text(encoding="utf-8")
-        except OSError as error:
-            print(f"codemode: cannot read {args.file}: {error.strerror}", file=sys.stderr)
-            return 2
+    except OSError as error:
+        print(f"codemode: cannot read {args.file}: {error.strerror}", file=sys.stderr)
+        return 2
+    except UnicodeError as error:
+        print(f"codemode: cannot read {args.file}: not UTF-8 text ({error})", file=sys.stderr)
+        return 2
 
     def show_notification(call_id: str, cell_id: CellId, text: str) -> None:
         print(f"notify: {text}", file=sys.stderr, flush=True)

@@ -155,5 +155,5 @@ def _json_text(value: object) -> str:
         value = dict(value)
     try:
         return json.dumps(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         return "null"

@@ -21,7 +21,12 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from codemode.errors import CodeModeError
-from codemode.model.exec_tool import build_exec_description, exec_tool_spec, wait_tool_spec
+from codemode.model.exec_tool import (
+    ARGUMENTS_TOO_DEEP,
+    build_exec_description,
+    exec_tool_spec,
+    wait_tool_spec,
+)
 from codemode.model.handler import (
     CodeModeToolHandler,
     CustomToolInput,
@@ -100,6 +105,8 @@ def _exec_code(arguments: object) -> str:
             arguments = json.loads(arguments)
         except ValueError as error:
             raise CodeModeError(f"failed to parse function arguments: {error}") from None
+        except RecursionError:
+            raise CodeModeError(ARGUMENTS_TOO_DEEP) from None
     code = arguments.get(EXEC_CODE_ARGUMENT) if isinstance(arguments, Mapping) else None
     if not isinstance(code, str):
         raise CodeModeError(

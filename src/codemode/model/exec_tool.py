@@ -26,6 +26,7 @@ from codemode.protocol.types import JSON, ToolDefinition
 from codemode.protocol.whitespace import trim
 
 __all__ = [
+    "ARGUMENTS_TOO_DEEP",
     "EXEC_GRAMMAR",
     "SHARED_MCP_TYPES",
     "WAIT_PARAMETERS",
@@ -297,6 +298,10 @@ def wait_tool_spec(description: str | None = None) -> dict[str, JSON]:
     }
 
 
+#: Function arguments (of ``wait``, or of ``exec`` as a function tool) nested deeper than the
+#: JSON decoder goes.
+ARGUMENTS_TOO_DEEP: Final = "failed to parse function arguments: JSON nested too deeply"
+
 # msgspec cannot bound beyond int64, so the u64 ceiling is checked in __post_init__.
 _NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -337,3 +342,5 @@ def parse_wait_arguments(arguments: str | bytes) -> WaitArguments:
         return _WAIT_DECODER.decode(arguments)
     except (msgspec.DecodeError, UnicodeError) as error:
         raise CodeModeError(f"failed to parse function arguments: {error}") from None
+    except RecursionError:  # the model's JSON nests deeper than the decoder goes
+        raise CodeModeError(ARGUMENTS_TOO_DEEP) from None

@@ -19,6 +19,7 @@ from codemode.model.positions import in_source_lines, outcome_in_source_lines
 from codemode.model.render import RenderedOutput, render_outcome, render_response
 from codemode.model.tracing import CellSpans, outcome_of
 from codemode.protocol.pragma import parse_exec_source
+from codemode.protocol.surrogates import well_formed
 from codemode.protocol.types import (
     CellId,
     ExecuteRequest,
@@ -117,7 +118,7 @@ class CodeModeToolHandler:
         started = self._clock()
         if isinstance(payload, FunctionToolArguments):
             return _failure(EXEC_EXPECTS_FREEFORM)
-        source = payload.input if isinstance(payload, CustomToolInput) else payload
+        source = well_formed(payload.input if isinstance(payload, CustomToolInput) else payload)
         span = self._spans.start_cell(call_id)
         cell_id: CellId | None = None
         try:

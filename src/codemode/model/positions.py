@@ -17,7 +17,9 @@ from codemode.protocol.types import LiveCell, Result, RuntimeResponse, WaitOutco
 
 __all__ = ["in_source_lines", "outcome_in_source_lines"]
 
-_POSITION: Final = re.compile(r"\bexec_main\.mjs:(\d+):(\d+)")
+# A line of at most 15 digits: longer ones are no engine position but text a cell wrote (and
+# int() refuses more than 4,300 digits).
+_POSITION: Final = re.compile(r"\bexec_main\.mjs:(\d{1,15}):(\d+)")
 
 
 def in_source_lines(response: RuntimeResponse, removed_lines: int) -> RuntimeResponse:

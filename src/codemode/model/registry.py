@@ -26,6 +26,7 @@ from codemode.model.exec_tool import NamespaceDescription
 from codemode.model.tracing import CellSpans
 from codemode.model.worker_pool import shared_pool
 from codemode.protocol.constants import PUBLIC_TOOL_NAME, WAIT_TOOL_NAME
+from codemode.protocol.surrogates import well_formed
 from codemode.protocol.types import (
     JSON,
     CellId,
@@ -351,13 +352,15 @@ class Tool(Generic[P, R]):
                 raise _parameter_failure(flat, function, fields, error) from None
         if output_schema is None:
             output_schema = _result_schema(flat, hints.get("return", Any))
-        elif not isinstance(output_schema, dict | bool):
+        elif isinstance(output_schema, Mapping):
+            output_schema = _json_schema(flat, "output_schema", output_schema)
+        elif not isinstance(output_schema, bool):
             output_schema = _schema_of(output_schema)  # a Python type
         doc = inspect.getdoc(function)
         self.definition = ToolDefinition(
             name=flat,
             tool_name=tool_name,
-            description=(doc or "") if description is None else description,
+            description=well_formed((doc or "") if description is None else description),
             kind=CodeModeToolKind.FREEFORM if freeform else CodeModeToolKind.FUNCTION,
             input_schema=input_schema,
             output_schema=output_schema,
@@ -392,6 +395,8 @@ class Tool(Generic[P, R]):
             raise TypeError(f"tool `{name}`: output_schema must be a JSON Schema object or None")
         if not callable(call):
             raise TypeError(f"tool `{name}`: call must be callable")
+        if not isinstance(description, str):
+            raise TypeError(f"tool `{name}`: description must be a string")
         tool_name = ToolName(name, namespace)
         flat = _checked_flat_name(tool_name)
         item: Tool[..., Any] = cls.__new__(cls)
@@ -407,10 +412,14 @@ class Tool(Generic[P, R]):
         item.definition = ToolDefinition(
             name=flat,
             tool_name=tool_name,
-            description=description,
+            description=well_formed(description),
             kind=CodeModeToolKind.FUNCTION,
-            input_schema=copy.deepcopy(dict(input_schema)),
-            output_schema=None if output_schema is None else copy.deepcopy(dict(output_schema)),
+            input_schema=_json_schema(flat, "input_schema", input_schema),
+            output_schema=(
+                None
+                if output_schema is None
+                else _json_schema(flat, "output_schema", output_schema)
+            ),
         )
         return item
 
@@ -467,7 +476,8 @@ class Tool(Generic[P, R]):
             elif self.inline:
                 result = function(*args, **kwargs)
             else:
-                result = await shared_pool().submit(function, args, kwargs)
+                lane = None if context is None else _lane(context.cell_id)
+                result = await shared_pool().submit(function, args, kwargs, lane)
             # A sync callable may return a coroutine; JSON values are never awaitable.
             if type(result) not in _JSON_TYPES and inspect.isawaitable(result):
                 result = await result
@@ -475,28 +485,61 @@ class Tool(Generic[P, R]):
             raise
         except Exception as error:
             raise self._failure(error) from error
+        except (SystemExit, KeyboardInterrupt) as error:
+            if not self._raised_exit(error):
+                raise
+            raise self._failure(error) from error
         return self._json(result)
 
-    def _failure(self, error: Exception) -> CodeModeError:
+    def _raised_exit(self, error: SystemExit | KeyboardInterrupt) -> bool:
+        """Whether the tool itself raised ``error``, which asyncio would let stop the process: a
+        ``SystemExit`` always (``sys.exit()`` or argparse inside a tool), a ``KeyboardInterrupt``
+        only from a worker thread (Ctrl-C reaches the main thread alone: on the event loop it
+        may be the user's, and goes on)."""
+        return isinstance(error, SystemExit) or not (self.is_async or self.inline)
+
+    def _failure(self, error: BaseException) -> CodeModeError:
         """What the cell sees of the tool's exception (one line); the traceback is logged."""
         # Whoever runs the agent needs the traceback.
         tools_logger.error("tool `%s` failed", self.definition.name, exc_info=error)
+        try:
+            text = str(error)
+        except Exception:  # a hostile __str__: the cell still gets the tool's failure
+            text = "<exception str() failed>"
         return CodeModeError(
-            f"tool `{self.definition.name}` failed: {type(error).__name__}: {error}"
+            well_formed(f"tool `{self.definition.name}` failed: {type(error).__name__}: {text}")
         )
 
     def _json(self, result: object) -> JSON:
         """The tool's result as JSON (models and structs converted)."""
         try:
             return msgspec.to_builtins(result, enc_hook=pydantic_types.enc_hook)
+        except RecursionError:  # a cycle, or nesting deeper than the encoder goes
+            raise CodeModeError(
+                f"tool `{self.definition.name}` returned a value that is not JSON: it is nested "
+                "too deeply (or contains itself)"
+            ) from None
         except (TypeError, ValueError) as error:
             raise CodeModeError(
                 f"tool `{self.definition.name}` returned a value that is not JSON: {error}"
             ) from None
 
 
+def _json_schema(flat: str, what: str, schema: Mapping[str, Any]) -> dict[str, JSON]:
+    """A JSON copy of a schema given as a mapping (what reaches the model and the wire is JSON:
+    a key or value JSON has no spelling for would fail every exec description later)."""
+    try:
+        copied = msgspec.json.decode(msgspec.json.encode(dict(schema)))
+    except (TypeError, ValueError, RecursionError) as error:
+        reason = "it is nested too deeply" if isinstance(error, RecursionError) else error
+        raise TypeError(f"tool `{flat}`: {what} is not JSON ({reason})") from None
+    return typing.cast(dict[str, JSON], copied)
+
+
 def _checked_flat_name(tool_name: ToolName) -> str:
     flat = flat_tool_name(tool_name)
+    if well_formed(flat) is not flat:
+        raise ValueError(f"tool name {flat!r} has a lone surrogate: it is not text UTF-8 can carry")
     if tool_name.namespace is None and flat in (PUBLIC_TOOL_NAME, WAIT_TOOL_NAME):
         raise ValueError(f"`{flat}` is reserved: exec and wait are never nested tools")
     return flat
@@ -604,6 +647,7 @@ class ToolRegistry(CodeModeSessionDelegate):
         timeout: float | None = None,
     ) -> None:
         self._tools: dict[ToolName, Tool[..., Any]] = {}
+        self._names: set[str] = set()
         self._entries: dict[ToolName, _Entry] = {}
         self._namespaces: dict[str, NamespaceDescription] = {}
         self._on_notify = on_notify
@@ -618,8 +662,11 @@ class ToolRegistry(CodeModeSessionDelegate):
         """Register ``item``; its tool name must be new. ``timeout``: its own bound in seconds
         (else the registry's)."""
         key = item.definition.tool_name
-        if key in self._tools:
+        # By its definition name too: namespace `a` + `b__c` must not shadow `a__b` + `c` (one
+        # MCP server's tool named to take over the calls meant for another server's).
+        if key in self._tools or item.definition.name in self._names:
             raise ValueError(f"tool `{item.definition.name}` is already registered")
+        self._names.add(item.definition.name)
         self._tools[key] = item
         self._entries[key] = _Entry(
             item, _checked_timeout(timeout) or self._timeout, self._before_call is None
@@ -756,20 +803,28 @@ class ToolRegistry(CodeModeSessionDelegate):
                 if item.is_async:
                     result = await function(*args, **kwargs)
                 else:
-                    result = await shared_pool().submit(function, args, kwargs)
+                    lane = _lane(invocation.cell_id)
+                    result = await shared_pool().submit(function, args, kwargs, lane)
             if type(result) not in _JSON_TYPES and inspect.isawaitable(result):
                 if guard is None:
                     guard = _TaskCanceller(task)
                     cancellation.add_callback(guard)
                 result = await result
-        except CodeModeError:
-            raise
+        except CodeModeError as error:
+            carried = _carried(error)
+            if carried is error:
+                raise
+            raise carried from None
         except asyncio.CancelledError:
             if guard is not None and guard.fired and task.cancelling() == 1:  # see _cancellable
                 task.uncancel()
                 raise CodeModeError(entry.cancelled) from None
             raise
         except Exception as error:
+            raise item._failure(error) from error
+        except (SystemExit, KeyboardInterrupt) as error:
+            if not item._raised_exit(error):
+                raise
             raise item._failure(error) from error
         finally:
             if guard is not None:
@@ -789,10 +844,16 @@ class ToolRegistry(CodeModeSessionDelegate):
             runtime_tool_call_id=invocation.runtime_tool_call_id,
             cancellation=cancellation,
         )
-        if tracing.enabled():
-            with self.cell_spans.tool_call(invocation.cell_id, entry.tool.definition.name):
-                return await self._logged(entry, arguments, context, invocation)
-        return await self._logged(entry, arguments, context, invocation)
+        try:
+            if tracing.enabled():
+                with self.cell_spans.tool_call(invocation.cell_id, entry.tool.definition.name):
+                    return await self._logged(entry, arguments, context, invocation)
+            return await self._logged(entry, arguments, context, invocation)
+        except CodeModeError as error:
+            carried = _carried(error)
+            if carried is error:
+                raise
+            raise carried from None
 
     async def _logged(
         self,
@@ -880,6 +941,20 @@ class ToolRegistry(CodeModeSessionDelegate):
     def cell_closed(self, cell_id: CellId) -> None:
         """Ends the cell's span if still open; override (calling this) to release your own."""
         self.cell_spans.closed(cell_id)
+
+
+def _carried(error: CodeModeError) -> CodeModeError:
+    """``error``, or one whose text has its lone surrogates as U+FFFD: the text goes to the engine
+    as UTF-8 (a file name a tool could not decode, say, used to leave the cell's call unsettled)."""
+    message = well_formed(error.message)
+    return error if message is error.message else CodeModeError(message)
+
+
+def _lane(cell_id: CellId) -> int:
+    """The worker-pool lane of a cell's sync calls: cells take turns for the threads. Keyed by
+    the cell's id object (one per cell in a session), so that the cells `1` of two sessions
+    are two lanes."""
+    return id(cell_id)
 
 
 def _checked_timeout(timeout: float | None) -> float | None:

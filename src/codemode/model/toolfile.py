@@ -33,7 +33,7 @@ def load_tool_file(path: str | Path, *, on_notify: NotifyCallback | None = None)
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as error:
+    except (Exception, SystemExit) as error:  # sys.exit() at import is a failure to load too
         del sys.modules[module_name]
         raise CodeModeError(
             f"failed to load tools from {file}: {type(error).__name__}: {error}"

@@ -8,6 +8,10 @@ per-loop outbox that costs one ``call_soon_threadsafe`` per batch the loop has n
 yet, not one per call. A worker that has been inside one call for ``stall`` seconds while calls
 wait is considered blocked: more workers are started (up to ``max_workers``), so that one slow
 tool never holds the others up for longer than that.
+
+Queued calls wait in lanes (a registry gives each cell its own) that take turns: a cell that queues
+a thousand slow calls holds up another cell's call by one call, not by the thousand, when every
+worker is busy.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, Final
 
 __all__ = ["WorkerPool", "shared_pool"]
@@ -98,7 +102,10 @@ class WorkerPool:
         self._max_workers = max_workers or min(32, (os.cpu_count() or 1) + 4)
         self._stall = stall
         self._lock = threading.Lock()
-        self._queue: deque[_Call] = deque()
+        # Queued calls by lane, and the lanes that have some in turn order (both under _lock).
+        self._lanes: dict[Hashable, deque[_Call]] = {}
+        self._turns: deque[tuple[Hashable, deque[_Call]]] = deque()
+        self._queued = 0
         self._running: list[_Worker] = []
         self._parked: list[_Worker] = []
         self._outboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Outbox] = (
@@ -111,6 +118,11 @@ class WorkerPool:
         """How many worker threads exist (running or parked)."""
         return len(self._running) + len(self._parked)
 
+    @property
+    def queued(self) -> int:
+        """How many calls wait for a worker."""
+        return self._queued
+
     async def run(self, function: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """``function(*args, **kwargs)`` in a worker thread, in a copy of the current context
         (as ``asyncio.to_thread``). Cancelling the caller does not interrupt a call that has
@@ -119,16 +131,27 @@ class WorkerPool:
         return await self.submit(function, args, kwargs)
 
     def submit(
-        self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        function: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        lane: Hashable = None,
     ) -> asyncio.Future[Any]:
         """Queue a call as :meth:`run` does; the future settles as the call does (cancel it to
-        give up on the call)."""
+        give up on the call). Calls of one ``lane`` run in order; lanes take turns."""
         loop = asyncio.get_running_loop()
         outbox = self._last_outbox
         if outbox is None or outbox.loop is not loop:
             outbox = self._outbox(loop)
         future = loop.create_future()
-        self._queue.append((function, args, kwargs, contextvars.copy_context(), future, outbox))
+        call = (function, args, kwargs, contextvars.copy_context(), future, outbox)
+        with self._lock:
+            queue = self._lanes.get(lane)
+            if queue is None:
+                queue = self._lanes[lane] = deque()
+                self._turns.append((lane, queue))
+            queue.append(call)
+            self._queued += 1
         if not self._running:
             self._start_one()
         elif not outbox.check_armed:
@@ -146,7 +169,7 @@ class WorkerPool:
     def _start_one(self) -> None:
         """Wake a parked worker, or start one; nothing if at the limit."""
         with self._lock:
-            if not self._queue:
+            if not self._queued:
                 return
             if self._parked:
                 worker = self._parked.pop()
@@ -164,7 +187,7 @@ class WorkerPool:
         """On a loop, ``stall`` after calls queued behind running workers: if every running
         worker is still inside a call begun that long ago, start workers for what waits."""
         outbox.check_armed = False
-        queued = len(self._queue)
+        queued = self._queued
         if not queued:
             return
         now = time.monotonic()
@@ -172,12 +195,29 @@ class WorkerPool:
         if stalled:
             for _ in range(queued):
                 self._start_one()
-        if self._queue and not outbox.check_armed:
+        if self._queued and not outbox.check_armed:
             outbox.check_armed = True
             outbox.loop.call_later(self._stall, self._check, outbox)
 
+    def _next(self, worker: _Worker) -> _Call | None:
+        """The next call in turn, or ``None`` when none waits (the worker is then parked)."""
+        with self._lock:
+            if not self._turns:
+                self._running.remove(worker)
+                self._parked.append(worker)
+                return None
+            turns = self._turns
+            lane, queue = turns[0]
+            call = queue.popleft()
+            if not queue:
+                turns.popleft()
+                del self._lanes[lane]
+            elif len(turns) > 1:
+                turns.rotate(-1)  # its next call waits for the other lanes
+            self._queued -= 1
+            return call
+
     def _work(self, worker: _Worker) -> None:
-        queue = self._queue
         while True:
             if not worker.wake.acquire(timeout=IDLE_SECONDS):
                 with self._lock:
@@ -186,14 +226,8 @@ class WorkerPool:
                         return
                 worker.wake.acquire()  # woken just as the wait ran out
             while True:
-                try:
-                    call = queue.popleft()
-                except IndexError:
-                    with self._lock:
-                        if queue:  # queued after the pop above: still ours
-                            continue
-                        self._running.remove(worker)
-                        self._parked.append(worker)
+                call = self._next(worker)
+                if call is None:
                     break
                 if not call[4].cancelled():  # else its caller gave up before it began
                     worker.busy_since = time.monotonic()

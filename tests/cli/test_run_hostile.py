@@ -1,0 +1,66 @@
+"""``codemode run`` given hostile cells and tool files: a clear message, never a traceback or hang."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.commands import codemode
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_a_cell_file_that_is_not_utf8_is_a_usage_error(tmp_path: Path) -> None:
+    cell = tmp_path / "cell.js"
+    cell.write_bytes(b"text('\xff')\n")
+    result = codemode("run", str(cell), timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"codemode: cannot read {cell}: not UTF-8 text (".encode())
+    assert b"Traceback" not in result.stderr
+
+
+def test_stdin_that_is_not_utf8_is_a_usage_error() -> None:
+    # Undecodable bytes on stdin used to reach the engine as lone surrogates: the run hung.
+    result = codemode("run", "-", stdin=b"text('\xff')\n", timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.startswith(b"codemode: cannot read -: not UTF-8 text (")
+
+
+def test_a_pragma_nested_past_the_decoder_is_a_usage_error() -> None:
+    source = b"// @exec: " + b"[" * 5000 + b"\ntext(1)\n"
+    result = codemode("run", "-", stdin=source, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr == (
+        b"codemode: exec pragma must be valid JSON with supported fields `yield_time_ms` and "
+        b"`max_output_tokens`: recursion limit exceeded\n"
+    )
+
+
+def test_a_tool_file_that_exits_at_import_is_reported(tmp_path: Path) -> None:
+    tools = tmp_path / "tools.py"
+    tools.write_text("import sys\nsys.exit(3)\n")
+    result = codemode("run", "-", "--tools", str(tools), stdin=b"text(1)", timeout=60)
+    assert result.returncode == 2
+    assert result.stderr == f"codemode: failed to load tools from {tools}: SystemExit: 3\n".encode()
+
+
+def test_a_tool_that_calls_sys_exit_fails_its_call_and_the_run_goes_on(tmp_path: Path) -> None:
+    tools = tmp_path / "tools.py"
+    tools.write_text(
+        "import argparse\n\n"
+        "def grep(pattern: str) -> str:\n"
+        "    parser = argparse.ArgumentParser(prog='grep', exit_on_error=False)\n"
+        "    parser.add_argument('-n', type=int)\n"
+        "    parser.parse_args([pattern])  # exits on what the cell passed\n"
+        "    return pattern\n"
+    )
+    source = (
+        b"try { await tools.grep({pattern: '--bogus'}); } catch (e) { text(String(e)); }\n"
+        b"text('after');"
+    )
+    result = codemode("run", "-", "--tools", str(tools), "--json", stdin=source, timeout=60)
+    assert result.returncode == 0, result.stderr
+    texts = [item["text"] for item in json.loads(result.stdout)["Result"]["content_items"]]
+    assert texts == ["tool `grep` failed: SystemExit: 2", "after"]
