@@ -10,13 +10,19 @@ import pytest
 
 from codemode.errors import CodeModeError
 from codemode.protocol import (
+    JSON,
+    CodeModeNestedToolCall,
     CodeModeSessionCellExecutionLimits,
+    CodeModeToolKind,
     ExecuteRequest,
     InputText,
     Result,
+    ToolDefinition,
+    ToolName,
 )
 from codemode.runtime import InvalidLimitsError, LocalSession, LocalSessionProvider
 from codemode.session import (
+    CancellationToken,
     CodeModeSessionDelegate,
 )
 
@@ -254,3 +260,40 @@ async def test_a_result_reports_how_long_it_waited_for_its_observer(
     assert isinstance(waited.response, Result)
     assert waited.response.result_buffered_for_ns is not None
     assert waited.response.result_buffered_for_ns >= 100_000_000
+
+
+class _SurrogateDelegate(CodeModeSessionDelegate):
+    """Fails ``bad`` with a text holding a lone surrogate; answers ``ok`` with its input."""
+
+    async def invoke_tool(
+        self, invocation: CodeModeNestedToolCall, cancellation: CancellationToken
+    ) -> JSON:
+        if invocation.tool_name.name == "bad":
+            raise CodeModeError("no such file: caf\udce9.txt")
+        return invocation.input
+
+
+async def test_lone_surrogates_sent_to_the_engine_become_replacement_characters(
+    provider: LocalSessionProvider,
+) -> None:
+    # Guards: what goes to the engine is made well-formed first. A lone surrogate cannot be
+    # encoded as UTF-8: the frame holding it, and every other settlement in it, was lost, and
+    # the cells waiting on them hung for ever.
+    session = await provider.create_session(_SurrogateDelegate())
+    tools = [
+        ToolDefinition(name, ToolName.plain(name), "d", CodeModeToolKind.FUNCTION)
+        for name in ("bad", "ok")
+    ]
+    source = (
+        "const [a, b] = await Promise.allSettled([tools.bad({}), tools.ok({v: 1})]);\n"
+        'text(String(a.reason)); text(JSON.stringify(b.value)); text("\ud800|\ud83d\ude00")'
+    )
+    started = await session.execute(ExecuteRequest("c", source, tools, 10_000))
+    response = await asyncio.wait_for(started.initial_response(), 10)
+    assert isinstance(response, Result)
+    assert response.error_text is None, response.error_text
+    assert response.content_items == [
+        InputText("no such file: caf\ufffd.txt"),
+        InputText('{"v":1}'),
+        InputText("\ufffd|\U0001f600"),
+    ]

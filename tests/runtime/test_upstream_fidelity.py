@@ -87,7 +87,7 @@ CELLS = [
     'import("z")',
     'await import("z")',
     # Methods named import are not dynamic imports; `++` ends a value (the `/` after it divides).
-    'const o = {import(x) { return x + 1 }, get import2() { return 2 }}; text(String(o.import(1)))',
+    "const o = {import(x) { return x + 1 }, get import2() { return 2 }}; text(String(o.import(1)))",
     "class C { static import(x) { return x * 3 } }; text(String(C.import(2)))",
     "const o = { async import() { return 5 } }; text(String(await o.import()))",
     'let i = 1; const q = i++ / 2; try { await import("z") } catch (e) { text(String(e)) }',

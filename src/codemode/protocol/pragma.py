@@ -78,6 +78,8 @@ def parse_exec_source(source: str) -> ParsedExecSource:
         value = _DECODER.decode(directive.encode("utf-8", "surrogatepass"))
     except msgspec.DecodeError as error:
         raise CodeModeError(_INVALID_JSON + str(error)) from None
+    except RecursionError:  # nested deeper than the decoder goes (serde_json's words)
+        raise CodeModeError(_INVALID_JSON + "recursion limit exceeded") from None
     if not isinstance(value, dict):
         raise CodeModeError(_NOT_OBJECT)
     for key in value:

@@ -23,6 +23,7 @@ from typing import Annotated, Any, Final, Literal, Protocol
 import msgspec
 
 from codemode.errors import CodeModeError, FrameError
+from codemode.protocol.surrogates import well_formed
 from codemode.protocol.types import ContentItem, ImageDetail, InputAudio, InputImage, InputText
 from codemode.protocol.v1.codec import NEED_DATA, FrameDecoder, encode_frame
 from codemode.runtime.confinement import ConfinementReport
@@ -519,7 +520,13 @@ class NodeEngine:
         self._cells[key] = events
         self._arm_watchdog()
         self._send(
-            {"t": "exec", "cell": key, "heap": heap_mb, "source": source, "config": config_json}
+            {
+                "t": "exec",
+                "cell": key,
+                "heap": heap_mb,
+                "source": well_formed(source),
+                "config": well_formed(config_json),
+            }
         )
         return key
 
@@ -538,7 +545,7 @@ class NodeEngine:
         batch = self._results.get(key)
         if batch is None:
             batch = self._results[key] = []
-        batch.append((call_id, ok, value))
+        batch.append((call_id, ok, value if isinstance(value, msgspec.Raw) else well_formed(value)))
         if alone and not self._dispatching:
             self._flush()
         else:

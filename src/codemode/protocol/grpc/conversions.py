@@ -18,7 +18,6 @@ Identifiers that are not part of a domain value (``session_id``, ``execution_id`
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Final
 
@@ -30,6 +29,7 @@ from codemode.protocol.grpc import texts
 from codemode.protocol.grpc import v1_pb2 as pb
 from codemode.protocol.grpc.constants import MAX_MESSAGE_BYTES, MAX_TOOL_ERROR_MESSAGE_BYTES
 from codemode.protocol.grpc.identifiers import check_host_identifier, check_request_identifier
+from codemode.protocol.surrogates import well_formed
 from codemode.protocol.types import (
     JSON,
     CellId,
@@ -97,7 +97,6 @@ _DETAIL_TO_PROTO: Final = {
 }
 _DETAIL_TO_DOMAIN: Final = {int(value): detail for detail, value in _DETAIL_TO_PROTO.items()}
 
-_SURROGATE: Final = re.compile("[\ud800-\udfff]")
 _TRUNCATED_SUFFIX_BYTES: Final = texts.TRUNCATED_SUFFIX.encode("utf-8")
 
 
@@ -489,11 +488,8 @@ def truncate_tool_error(message: str) -> str:
 
     A lone surrogate, which UTF-8 cannot carry, becomes U+FFFD first.
     """
-    try:
-        data = message.encode("utf-8")
-    except UnicodeEncodeError:
-        message = _SURROGATE.sub("\ufffd", message)
-        data = message.encode("utf-8")
+    message = well_formed(message)
+    data = message.encode("utf-8")
     if len(data) <= MAX_TOOL_ERROR_MESSAGE_BYTES:
         return message
     budget = MAX_TOOL_ERROR_MESSAGE_BYTES - len(_TRUNCATED_SUFFIX_BYTES)
