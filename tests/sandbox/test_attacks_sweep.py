@@ -18,6 +18,7 @@ Each test says in a comment what protection it guards; each fails if that protec
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 from collections.abc import AsyncIterator
@@ -222,7 +223,12 @@ async def parked(session: LocalSession) -> CellId:
     return cell_id
 
 
-async def assert_engine_survived(session: LocalSession, pid: int | None, parked_id: CellId) -> None:
+@contextlib.asynccontextmanager
+async def engine_survives(session: LocalSession) -> AsyncIterator[None]:
+    """A cell parked before the block is still there after it, in the same engine process."""
+    parked_id = await parked(session)
+    pid = session.engine.pid if session.engine is not None else None
+    yield
     engine = session.engine
     assert engine is not None and engine.pid == pid, "the engine process was replaced"
     outcome = await asyncio.wait_for(session.terminate(parked_id), 5)
@@ -236,18 +242,16 @@ async def test_an_item_that_escapes_past_the_frame_cap_ends_only_its_cell(
     # characters are 300 MB of JSON, over Python's 256 MiB frame cap: a breach that killed the
     # engine and every cell in it). Cut, it still ends its cell with the spec's output limit.
     session = await provider.create_session(RecordingDelegate())
-    parked_id = await parked(session)
-    pid = session.engine.pid if session.engine is not None else None
-    # A 3 MB item just before it (host.js sends a large message alone in its frame).
-    source = (
-        "const a = 'y'.repeat(3e6), b = '\\u0001'.repeat(50e6); a.at(-1); b.at(-1);\n"
-        "text(a); text(b); text('after')"
-    )
-    result = await run(session, source)
-    assert result.error_text == (
-        f"exec cell output exceeds the limit of {MAX_BUFFERED_OUTPUT_CHARS} characters"
-    )
-    await assert_engine_survived(session, pid, parked_id)
+    async with engine_survives(session):
+        # A 3 MB item just before it (host.js sends a large message alone in its frame).
+        source = (
+            "const a = 'y'.repeat(3e6), b = '\\u0001'.repeat(50e6); a.at(-1); b.at(-1);\n"
+            "text(a); text(b); text('after')"
+        )
+        result = await run(session, source)
+        assert result.error_text == (
+            f"exec cell output exceeds the limit of {MAX_BUFFERED_OUTPUT_CHARS} characters"
+        )
 
 
 async def test_what_v8_prints_to_stdout_does_not_reach_the_frames(
@@ -257,15 +261,13 @@ async def test_what_v8_prints_to_stdout_does_not_reach_the_frames(
     # asm.js verdicts there ("Invalid asm.js: ..."): read as frames, they were a breach that
     # killed the engine and every cell in it (with a shared engine, every session's).
     session = await provider.create_session(RecordingDelegate())
-    parked_id = await parked(session)
-    pid = session.engine.pid if session.engine is not None else None
-    source = (
-        '"use asm"; text("asm");\n'
-        'function m() { "use asm"; function f() { return 1; } return { f: f }; }\n'
-        "text(String(m().f()))"
-    )
-    assert texts(await run(session, source)) == ["asm", "1"]
-    await assert_engine_survived(session, pid, parked_id)
+    async with engine_survives(session):
+        source = (
+            '"use asm"; text("asm");\n'
+            'function m() { "use asm"; function f() { return 1; } return { f: f }; }\n'
+            "text(String(m().f()))"
+        )
+        assert texts(await run(session, source)) == ["asm", "1"]
 
 
 async def test_a_huge_thrown_string_is_cut_and_the_engine_survives(
@@ -274,12 +276,10 @@ async def test_a_huge_thrown_string_is_cut_and_the_engine_survives(
     # Guards: host.js cuts an error text as Python does (16 Mi characters and a note) before it
     # sends it: 2^28 characters were a frame over the cap, i.e. a breach and a dead engine.
     session = await provider.create_session(RecordingDelegate())
-    parked_id = await parked(session)
-    pid = session.engine.pid if session.engine is not None else None
-    result = await run(session, "throw 'x'.repeat(2 ** 28)")
-    cut = cell_module.MAX_ERROR_TEXT_CHARS
-    assert result.error_text == "x" * cut + f"\n… (error text cut: {2**28} characters in all)"
-    await assert_engine_survived(session, pid, parked_id)
+    async with engine_survives(session):
+        result = await run(session, "throw 'x'.repeat(2 ** 28)")
+        cut = cell_module.MAX_ERROR_TEXT_CHARS
+        assert result.error_text == "x" * cut + f"\n… (error text cut: {2**28} characters in all)"
 
 
 async def test_a_notification_too_large_for_a_frame_is_dropped(
@@ -289,13 +289,13 @@ async def test_a_notification_too_large_for_a_frame_is_dropped(
     # characters: 270 MB); the cell goes on, as after any failed delivery.
     delegate = RecordingDelegate()
     session = await provider.create_session(delegate)
-    parked_id = await parked(session)
-    pid = session.engine.pid if session.engine is not None else None
-    result = await run(session, "notify('\\u0001'.repeat(45e6)); notify('small'); text('went on')")
-    assert result.error_text is None, result.error_text[:200]
-    assert texts(result) == ["went on"]
-    assert [text for _, _, text in delegate.notifications] == ["small"]
-    await assert_engine_survived(session, pid, parked_id)
+    async with engine_survives(session):
+        result = await run(
+            session, "notify('\\u0001'.repeat(45e6)); notify('small'); text('went on')"
+        )
+        assert result.error_text is None, result.error_text[:200]
+        assert texts(result) == ["went on"]
+        assert [text for _, _, text in delegate.notifications] == ["small"]
 
 
 async def test_a_tool_input_too_large_for_a_frame_is_refused_to_the_cell(
@@ -305,14 +305,12 @@ async def test_a_tool_input_too_large_for_a_frame_is_refused_to_the_cell(
     # 128 Mi-character limit whose JSON would still pass the frame cap: 90 M CJK characters are
     # 270 MB of UTF-8, which was a breach that killed the engine and every cell in it.
     session = await provider.create_session(RecordingDelegate())
-    parked_id = await parked(session)
-    pid = session.engine.pid if session.engine is not None else None
-    result = await run(
-        session,
-        "text(await tools.echo({s: '\u4e2d'.repeat(90e6)}).then(() => 'sent', (e) => e))",
-    )
-    assert texts(result) == ["tool input of 90000008 characters is too large to send"]
-    await assert_engine_survived(session, pid, parked_id)
+    async with engine_survives(session):
+        result = await run(
+            session,
+            "text(await tools.echo({s: '\u4e2d'.repeat(90e6)}).then(() => 'sent', (e) => e))",
+        )
+        assert texts(result) == ["tool input of 90000008 characters is too large to send"]
 
 
 # -- the host's health: unsettled tool inputs ---------------------------------------------------------
