@@ -6,7 +6,10 @@ from outside, without this package's wire types."""
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any, Final
+
+from tests.upstream import DEFAULT_VERSION
 
 HELLO: Final = {
     "type": "connection/hello",
@@ -51,3 +54,9 @@ def execute(
         **fields,
     }
     return request(request_id, {"method": "session/execute", "sessionId": session, "request": body})
+
+
+def our_host(version: str) -> list[str]:
+    """Our stdio host, speaking the wire revision of upstream release ``version``."""
+    revision = "pinned" if version == DEFAULT_VERSION else "latest"
+    return [sys.executable, "-m", "codemode", "host", "--stdio", "--wire-revision", revision]

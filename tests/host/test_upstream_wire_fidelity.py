@@ -14,7 +14,6 @@ import asyncio
 import json
 import re
 import struct
-import sys
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -346,11 +345,6 @@ async def exchange(command: list[str], script: list[Step]) -> Exchange:
     return Exchange(frames, status)
 
 
-def ours(version: str) -> list[str]:
-    revision = "pinned" if version == DEFAULT_VERSION else "latest"
-    return [sys.executable, "-m", "codemode", "host", "--stdio", "--wire-revision", revision]
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("version", [DEFAULT_VERSION, LATEST_VERSION])
 async def test_hosts_answer_the_same_frames(version: str) -> None:
@@ -362,7 +356,7 @@ async def test_hosts_answer_the_same_frames(version: str) -> None:
     unexpected = []
     for name, script in CASES.items():
         mine, theirs = await asyncio.gather(
-            exchange(ours(version), script), exchange(theirs_command, script)
+            exchange(raw.our_host(version), script), exchange(theirs_command, script)
         )
         if name in expected:
             assert mine != theirs, f"now equal on {version}, drop it: {name}"

@@ -8,6 +8,8 @@ oversize length is refused from the prefix alone, before any payload is buffered
 
 from __future__ import annotations
 
+import re
+from itertools import accumulate
 from typing import Any, Final, Generic, Protocol, TypeVar
 
 import msgspec
@@ -26,6 +28,7 @@ from codemode.protocol.v1.revision import WireRevision, check_revision
 __all__ = [
     "EOF",
     "NEED_DATA",
+    "UPSTREAM_MAX_NESTING",
     "FrameDecoder",
     "MessageDecoder",
     "PayloadDecoder",
@@ -44,6 +47,15 @@ _ENCODER: Final = msgspec.json.Encoder()
 _ANY_DECODER: Final = msgspec.json.Decoder()
 _DECODE_PREFIX: Final = "failed to decode code-mode IPC frame: "
 _ENCODE_PREFIX: Final = "failed to encode code-mode IPC frame: "
+_TOO_DEEP: Final = _DECODE_PREFIX + "recursion limit exceeded"
+#: The deepest nesting of arrays and objects the upstream host reads in a frame (serde_json's
+#: recursion limit, 128, refuses the 128th level); ``MessageDecoder(max_depth=...)``.
+UPSTREAM_MAX_NESTING: Final = 127
+_ESCAPE: Final = re.compile(rb"\\.", re.DOTALL)
+_NOT_BRACKETS: Final = bytes(b for b in range(256) if b not in b"[]{}")
+_NOT_BRACKETS_OR_QUOTES: Final = bytes(b for b in range(256) if b not in b'[]{}"')
+# An opening bracket counts +1, a closing one -1 (after subtracting 1 from the table's value).
+_STEPS: Final = bytes.maketrans(b"[{]}", b"\x02\x02\x00\x00")
 
 
 class _Sentinel:
@@ -72,24 +84,53 @@ def _validation_detail(error: msgspec.ValidationError) -> str:
     return str(error).replace(BLANK_IDENTIFIER_ERROR, IDENTIFIER_MUST_NOT_BE_EMPTY)
 
 
+def _nesting_exceeds(payload: bytes | bytearray, limit: int) -> bool:
+    """True when the valid JSON text ``payload`` nests arrays and objects more than ``limit``
+    deep. Every step is a C-speed pass over bytes, but the last, over the brackets alone."""
+    if len(payload.translate(None, _NOT_BRACKETS)) <= limit:
+        return False  # brackets inside strings count too, so this never misses
+    # Escapes out first (`\"` is no quote; `\u005b` no bracket), then what strings hold.
+    plain = _ESCAPE.sub(b"", payload) if b"\\" in payload else payload
+    brackets = b"".join(plain.translate(None, _NOT_BRACKETS_OR_QUOTES).split(b'"')[::2])
+    if len(brackets) <= limit:
+        return False
+    return max(accumulate(step - 1 for step in brackets.translate(_STEPS))) > limit
+
+
 class MessageDecoder(Generic[M]):
     """Decodes one payload as wire type ``M`` (or any JSON value) under the strict rules.
 
     Raises :class:`FrameError` with kind ``invalid_json`` when the text is not strict JSON and
     ``invalid_message`` when it is JSON but not a valid ``M``. Runtime response bodies must have
-    the shape of ``revision`` (default: V1 as pinned, no timing fields).
+    the shape of ``revision`` (default: V1 as pinned, no timing fields). With ``max_depth``,
+    arrays and objects nested deeper than that are ``invalid_json`` (``recursion limit
+    exceeded``), as upstream's reader refuses them; nesting too deep for the parser itself is
+    refused so in any case.
     """
 
-    __slots__ = ("_decoder", "_revision", "_type", "_typed")
+    __slots__ = ("_decoder", "_max_depth", "_revision", "_type", "_typed")
 
-    def __init__(self, wire_type: Any = Any, revision: WireRevision = WireRevision.PINNED) -> None:
+    def __init__(
+        self,
+        wire_type: Any = Any,
+        revision: WireRevision = WireRevision.PINNED,
+        *,
+        max_depth: int | None = None,
+    ) -> None:
         self._type = wire_type
         self._typed = wire_type is not Any
         self._revision = WireRevision(revision)
+        self._max_depth = max_depth
         self._decoder: msgspec.json.Decoder[M] = msgspec.json.Decoder(wire_type)
 
     def decode(self, data: bytes | bytearray, start: int = 0, end: int | None = None) -> M:
         """Decode ``data[start:end]``."""
+        try:
+            return self._decode(data, start, end)
+        except RecursionError:
+            raise FrameError(FrameErrorKind.INVALID_JSON, _TOO_DEEP) from None
+
+    def _decode(self, data: bytes | bytearray, start: int, end: int | None) -> M:
         if end is None and start == 0 and type(data) is bytes:
             payload: bytes | bytearray = data
         else:
@@ -119,7 +160,12 @@ class MessageDecoder(Generic[M]):
                 check_no_duplicate_keys(payload, message)
             except JSONError as error:
                 raise FrameError(FrameErrorKind.INVALID_JSON, _DECODE_PREFIX + str(error)) from None
+        self._check_depth(payload)
         return self._check_revision(message)
+
+    def _check_depth(self, payload: bytes | bytearray) -> None:
+        if self._max_depth is not None and _nesting_exceeds(payload, self._max_depth):
+            raise FrameError(FrameErrorKind.INVALID_JSON, _TOO_DEEP)
 
     @property
     def revision(self) -> WireRevision:
@@ -140,6 +186,7 @@ class MessageDecoder(Generic[M]):
             value = loads_large(payload)
         except JSONError as error:
             raise FrameError(FrameErrorKind.INVALID_JSON, _DECODE_PREFIX + str(error)) from None
+        self._check_depth(payload)
         if not self._typed:
             return value  # type: ignore[no-any-return]
         try:

@@ -48,7 +48,7 @@ from codemode.protocol.types import (
 from codemode.protocol.v1 import events as ev
 from codemode.protocol.v1 import messages as wire
 from codemode.protocol.v1 import texts
-from codemode.protocol.v1.codec import MessageDecoder
+from codemode.protocol.v1.codec import UPSTREAM_MAX_NESTING, MessageDecoder
 from codemode.protocol.v1.conversions import (
     execute_request_to_domain,
     limits_to_domain,
@@ -65,7 +65,10 @@ from codemode.protocol.v1.revision import AUTO_REVISION, WireRevision, revision_
 
 __all__ = ["SESSION_CALLBACK_RESERVE", "HostProtocol"]
 
-_DECODER: Final = MessageDecoder[wire.ClientToHost](wire.ClientToHost)
+#: A frame nested deeper than upstream's reader takes is a decode error (docs/interop.md).
+_DECODER: Final = MessageDecoder[wire.ClientToHost](
+    wire.ClientToHost, max_depth=UPSTREAM_MAX_NESTING
+)
 
 #: Unresolved-callback slots each session keeps for itself on a shared connection (a decision of
 #: ours within §8.6's per-connection limit; docs/security.md).
