@@ -34,10 +34,10 @@ import sys
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, NoReturn
+from typing import Any, Final, NoReturn, cast
 
 # The runtime forks engine processes (with a pre-exec hook); gRPC's fork handlers make such
 # children crash while gRPC threads run. Off unless the environment says otherwise; it only
@@ -46,6 +46,7 @@ _GRPC_IMPORTED_FIRST: Final = "grpc" in sys.modules
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc import aio
 
 from codemode.errors import CodeModeError, WireConversionError
@@ -61,7 +62,11 @@ from codemode.protocol.constants import (
 )
 from codemode.protocol.grpc import conversions, texts
 from codemode.protocol.grpc import v1_pb2 as pb
-from codemode.protocol.grpc.constants import MAX_MESSAGE_BYTES, SERVICE_NAME
+from codemode.protocol.grpc.constants import (
+    MAX_MESSAGE_BYTES,
+    SERVICE_NAME,
+    SERVICE_PATH_PREFIX,
+)
 from codemode.protocol.grpc.identifiers import check_request_identifier
 from codemode.protocol.texts import (
     PROVIDER_DOES_NOT_SUPPORT_LIMITS,
@@ -232,6 +237,84 @@ class _BearerTokenInterceptor(aio.ServerInterceptor):
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(_deny, deserializer, serializer)
         return grpc.unary_unary_rpc_method_handler(_deny, deserializer, serializer)
+
+
+def undecodable_request(detail: str) -> str:
+    """What a request that is not a valid protobuf message ends with (``INTERNAL``, as the
+    reference host's tonic and grpc-go answer it): the parser's text, not a Python exception."""
+    return f"failed to decode Protobuf message: {detail}"
+
+
+class _Undecodable:
+    """A request that failed to parse (its call then ends ``INTERNAL``)."""
+
+    __slots__ = ("detail",)
+
+    def __init__(self, detail: str) -> None:
+        self.detail = detail
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError as error:
+            return _Undecodable(str(error))
+
+    return deserialize
+
+
+async def _refuse(request: _Undecodable, context: Context, method: str) -> NoReturn:
+    logger.debug("event=undecodable-request method=%s detail=%s", method, request.detail)
+    await context.abort(grpc.StatusCode.INTERNAL, undecodable_request(request.detail))
+    raise AssertionError("unreachable")  # pragma: no cover - abort raises
+
+
+class _RequestDecodingInterceptor(aio.ServerInterceptor):
+    """Ends a ``CodeModeHost`` call whose request bytes do not parse with ``INTERNAL`` and the
+    parser's text. (grpcio would end it ``UNKNOWN``, naming the Python exception, and log an error
+    with a traceback for every such request: a peer could fill the host's log.)"""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
+        ],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method or ""
+        if (
+            handler is None
+            or handler.request_streaming
+            or not method.startswith(SERVICE_PATH_PREFIX)
+        ):
+            return handler
+        deserializer = _tolerant(handler.request_deserializer)
+        serializer = handler.response_serializer
+        if handler.response_streaming:
+            # The servicer's own (asynchronous) methods: this interceptor sees no others.
+            stream = cast(Callable[[Any, Context], AsyncGenerator[Any]], handler.unary_stream)
+
+            async def streaming(request: Any, context: Context) -> AsyncIterator[Any]:
+                if isinstance(request, _Undecodable):
+                    await _refuse(request, context, method)
+                async with contextlib.aclosing(stream(request, context)) as events:
+                    async for event in events:
+                        yield event
+
+            return grpc.unary_stream_rpc_method_handler(streaming, deserializer, serializer)
+        unary = cast(Callable[[Any, Context], Awaitable[Any]], handler.unary_unary)
+
+        async def answering(request: Any, context: Context) -> Any:
+            if isinstance(request, _Undecodable):
+                await _refuse(request, context, method)
+            return await unary(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(answering, deserializer, serializer)
 
 
 class _Remembered:
@@ -1058,7 +1141,9 @@ class GrpcHost:
                 "grpc was imported before codemode.host.grpc: set GRPC_ENABLE_FORK_SUPPORT=false, "
                 "or engine processes may crash while they start"
             )
-        interceptors = [] if self._token is None else [_BearerTokenInterceptor(self._token)]
+        interceptors: list[aio.ServerInterceptor] = [_RequestDecodingInterceptor()]
+        if self._token is not None:  # first: a refused call is refused whatever it carries
+            interceptors.insert(0, _BearerTokenInterceptor(self._token))
         server = aio.server(options=self.options.server_options(), interceptors=interceptors)
         v1_pb2_grpc.add_CodeModeHostServicer_to_server(_Servicer(self), server)
         if self._health_enabled:

@@ -16,6 +16,7 @@ import hmac
 import itertools
 import logging
 import time
+import weakref
 from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
@@ -94,7 +95,12 @@ class WebSocketHost:
         self._port = address.port
         self._served: dict[V1HostConnection, WebSocketTransport] = {}
         self._pairings: dict[str, _Pairing] = {}
-        self._bulk: dict[ServerConnection, _Pairing] = {}
+        # Bulk sockets whose upgrade was accepted, until their handler takes them. Weak: a
+        # handshake that fails after the token check (a bad key, a peer gone) never reaches the
+        # handler, and must not keep its connection (and the control's transport) forever.
+        self._bulk: weakref.WeakKeyDictionary[ServerConnection, _Pairing] = (
+            weakref.WeakKeyDictionary()
+        )
         self._ids = itertools.count(1)
         self._stopping = False
 

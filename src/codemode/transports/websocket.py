@@ -29,7 +29,7 @@ from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.connection import Connection
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed, ConnectionClosedOK
-from websockets.frames import CloseCode, Frame, Opcode
+from websockets.frames import OK_CLOSE_CODES, Close, CloseCode, Frame, Opcode
 from websockets.protocol import Event, State
 
 from codemode.protocol.v1.lanes import Lane
@@ -79,6 +79,21 @@ class _Pushing(Connection):
         else:  # the handshake, pings, pongs, close frames: as the library does
             super().process_event(event)
 
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        socket = self._socket
+        if socket is None:
+            return
+        if self.protocol.state is not State.OPEN:
+            # A close frame came, or the library failed the connection (a protocol error, an
+            # oversize message): the connection ends now, not when the peer closes TCP, which a
+            # peer that goes silent never does.
+            socket.closing()
+        elif socket.backlogged():
+            # The library answers pings itself, writing as it reads: a peer that floods pings
+            # and never reads must back up our reading too, not our memory.
+            socket.writable()
+
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
         self._lost = True
@@ -126,6 +141,8 @@ class _Pushing(Connection):
             socket.message(message, text)
         if self._lost:
             socket.lost()
+        elif self.protocol.state is State.CLOSING:
+            socket.closing()
 
     def set_reading(self, reading: bool) -> None:
         """Pause or resume reading the socket (back-pressure); idempotent."""
@@ -166,6 +183,9 @@ class _Socket:
     def lost(self) -> None:
         self._transport._lost(self)
 
+    def closing(self) -> None:
+        self._transport._closing(self)
+
     def writable(self) -> None:
         self._transport._update_reading()
 
@@ -201,7 +221,10 @@ class _Socket:
 
 
 def _closed_detail(error: ConnectionClosed) -> str:
-    frame = error.rcvd or error.sent
+    return _close_frame_detail(error.rcvd or error.sent)
+
+
+def _close_frame_detail(frame: Close | None) -> str:
     if frame is not None and frame.reason:
         return f"WebSocket closed with code {frame.code}: {frame.reason}"
     if frame is not None:
@@ -357,6 +380,16 @@ class WebSocketTransport:
         self._end(
             None if isinstance(error, ConnectionClosedOK) else TransportError(_closed_detail(error))
         )
+
+    def _closing(self, socket: _Socket) -> None:
+        # The closing handshake began on either socket: the connection ends (the first end wins)
+        # cleanly if the peer closed it with an ordinary code, else with how it was closed.
+        protocol = socket.connection.protocol
+        received = protocol.close_rcvd
+        if received is not None and received.code in OK_CLOSE_CODES:
+            self._end(None)
+        else:
+            self._end(TransportError(_close_frame_detail(received or protocol.close_sent)))
 
     def _end(self, failure: BaseException | None) -> None:
         if not self._ended:

@@ -1,0 +1,301 @@
+"""Hostile peers against the host's remote carriers: the WebSocket listener and the gRPC server.
+
+Each test pins one finding of a sweep with real sockets on 127.0.0.1 against an in-process host
+in front of the real embedded runtime: a bad peer gets a clear error or a prompt close, its
+connection's work ends at once, and the host (its memory, its log, other connections) is unharmed.
+The WebSocket peers are the independent raw client of ``tests/rawws.py``; the gRPC peers send raw
+bytes on a ``grpc.aio`` channel.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # before grpc: see codemode.host.grpc
+
+import asyncio
+import gc
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from grpc import aio
+
+from codemode.grpc_stubs import v1_pb2_grpc
+from codemode.host.grpc import GrpcHost
+from codemode.host.websocket import WebSocketHost
+from codemode.protocol.constants import MAX_WEBSOCKET_MESSAGE_BYTES
+from codemode.protocol.grpc import v1_pb2 as pb
+from codemode.protocol.grpc.constants import SERVICE_PATH_PREFIX
+from codemode.runtime import LocalSessionProvider
+from codemode.transports.websocket import WRITE_HIGH_WATER
+from tests import rawws
+from tests.host.test_grpc import CHANNEL_OPTIONS, _execute, _open, _outcome, _started, _texts
+from tests.host.test_websocket import (
+    FOREVER,
+    HOST_LOG,
+    S1,
+    eventually,
+    execute,
+    listening,
+    open_dual,
+    open_session,
+    open_single,
+    result,
+    started,
+    still_serving,
+)
+from tests.rawws import Opcode
+
+# -- WebSocket -------------------------------------------------------------------------------------
+
+
+def _control_write_buffer(host: WebSocketHost) -> int:
+    """Bytes the host's one served control socket has buffered for writing."""
+    (transport,) = host._served.values()
+    return transport.control.transport.get_write_buffer_size()
+
+
+@pytest.mark.timeout(30)
+async def test_a_ping_flood_from_a_peer_that_never_reads_cannot_grow_the_host(
+    provider: LocalSessionProvider,
+) -> None:
+    """Finding: the library answers every ping with a pong as it reads; a peer that sends pings
+    and never reads grew the host's write buffer without bound (about 25 MiB/s on loopback,
+    until the keepalive gave up 40 s later). Now the host stops reading that socket once its
+    writes back up, as it does for data messages."""
+    async with listening(provider) as host:
+        flooder = await open_single(host.url)
+        try:
+            pings = rawws.encode_frame(Opcode.PING, b"p" * 125) * 1000
+            writer = flooder.ws.writer
+            loop = asyncio.get_running_loop()
+            peak = 0
+            blocked = 0.0
+            start = loop.time()
+            while loop.time() - start < 1.5:
+                writer.write(pings)
+                before = loop.time()
+                try:
+                    await asyncio.wait_for(writer.drain(), 0.1)
+                except TimeoutError:
+                    blocked += loop.time() - before
+                peak = max(peak, _control_write_buffer(host))
+            assert peak <= 4 * WRITE_HIGH_WATER, f"the host buffered {peak / 2**20:.1f} MiB"
+            assert blocked > 0.5, "the host kept reading the flood"
+            # Meanwhile another connection runs its cells as usual.
+            other = await open_single(host.url)
+            await open_session(other, 1)
+            await other.send(execute(2, S1, "text('still here')"))
+            cell = await started(other, 2)
+            assert await other.receive() == result(2, cell, "still here")
+            await other.close()
+        finally:
+            flooder.ws.abort()
+
+
+async def _send_close(ws: rawws.RawWebSocket) -> None:
+    await ws.send_close(1000)
+
+
+async def _send_close_4000(ws: rawws.RawWebSocket) -> None:
+    await ws.send_close(4000, "bye")
+
+
+async def _send_reserved_opcode(ws: rawws.RawWebSocket) -> None:
+    await ws.send_frame(0x3, b"x")
+
+
+async def _send_oversize_header(ws: rawws.RawWebSocket) -> None:
+    await ws.send_raw(
+        rawws.encode_frame(Opcode.BINARY, declared_length=MAX_WEBSOCKET_MESSAGE_BYTES + 1)
+    )
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("send", "outcome"),
+    [
+        (_send_close, "outcome=clean"),
+        (_send_close_4000, "message: WebSocket closed with code 4000: bye'"),
+        (_send_reserved_opcode, "message: WebSocket closed with code 1002: invalid opcode'"),
+        (_send_oversize_header, "WebSocket closed with code 1009"),
+    ],
+    ids=["close-1000", "close-4000", "protocol-error", "oversize"],
+)
+async def test_a_closing_handshake_ends_the_connection_without_waiting_for_tcp(
+    provider: LocalSessionProvider, caplog: pytest.LogCaptureFixture, send: Any, outcome: str
+) -> None:
+    """Finding: after a close frame (or a frame the WebSocket layer refuses, which starts the
+    closing handshake from our side) the connection went on until the peer closed TCP. A peer
+    that then goes silent kept its connection, sessions and running cells until the next
+    keepalive ping (20 s), or for ever with keepalive off. Now the connection ends at once."""
+    caplog.set_level(logging.INFO, logger=HOST_LOG)
+    async with listening(provider, ping_interval=None) as host:
+        silent = await open_single(host.url)
+        try:
+            await open_session(silent, 1)
+            await silent.send(execute(2, S1, FOREVER, yield_ms=600_000))
+            await started(silent, 2)
+            assert host.active_cells() == 1
+            await send(silent.ws)
+            # The peer now neither reads nor closes its TCP connection.
+            assert await eventually(lambda: host.active_cells() == 0, timeout=3.0) < 1.0
+            await eventually(lambda: not host._served, timeout=3.0)
+            await eventually(lambda: provider.live_cells == 0, timeout=3.0)
+        finally:
+            silent.ws.abort()
+        closes = [
+            record.getMessage()
+            for record in caplog.records
+            if "event=connection-close" in record.getMessage()
+        ]
+        assert len(closes) == 1 and outcome in closes[0], closes
+        await still_serving(host.url)
+
+
+@pytest.mark.timeout(30)
+async def test_a_bulk_upgrade_that_fails_after_its_token_check_leaks_nothing(
+    provider: LocalSessionProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finding: the bulk token is checked (and taken) before the WebSocket layer validates the
+    rest of the upgrade; when that failed (here: no ``Sec-WebSocket-Key``) the handler never ran
+    and the host kept the refused connection, and through it the control's transport, for ever.
+    Now nothing keeps it; the control connection ends when its pairing times out (§7.3)."""
+    monkeypatch.setattr("codemode.host.v1.BULK_PAIRING_TIMEOUT", 0.3)
+    async with listening(provider) as host:
+        control, token = await open_dual(host.url)
+        port = int(host.url.rsplit(":", 1)[1])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(
+                (
+                    f"GET /bulk/{token} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                    "Upgrade: websocket\r\nConnection: Upgrade\r\n"
+                    "Sec-WebSocket-Version: 13\r\n\r\n"
+                ).encode()
+            )
+            status = await asyncio.wait_for(reader.readline(), 5)
+            assert status.startswith(b"HTTP/1.1 400 "), status
+        finally:
+            writer.close()
+        await control.expect_closed(5.0)
+        await eventually(lambda: not host._served)
+        gc.collect()
+        assert len(host._bulk) == 0, "the refused bulk connection is still held"
+        await still_serving(host.url)
+
+
+# -- gRPC ------------------------------------------------------------------------------------------
+
+UNARY = (
+    "CloseSession",
+    "CompleteToolCall",
+    "AcknowledgeNotification",
+    "Wait",
+    "YieldObservation",
+    "CancelWait",
+    "Terminate",
+)
+STREAMING = ("OpenSession", "SubscribeToToolCalls", "Execute")
+
+
+#: How the refusal of undecodable request bytes begins (tonic's words; then the parser's text).
+UNDECODABLE = "failed to decode Protobuf message: "
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+async def _raw_call(channel: aio.Channel, method: str, payload: bytes) -> aio.AioRpcError:
+    """Send ``payload`` as the request bytes of ``method``; return the status it ends with."""
+    path = SERVICE_PATH_PREFIX + method
+    try:
+        if method in STREAMING:
+            call = channel.unary_stream(path, _identity, _identity)(payload, timeout=10)
+            async for _ in call:
+                raise AssertionError(f"{method} answered undecodable bytes")
+        else:
+            await channel.unary_unary(path, _identity, _identity)(payload, timeout=10)
+    except aio.AioRpcError as error:
+        return error
+    raise AssertionError(f"{method} accepted undecodable bytes")
+
+
+@pytest.fixture
+async def grpc_host(provider: LocalSessionProvider) -> AsyncIterator[GrpcHost]:
+    host = GrpcHost(provider, "grpc://127.0.0.1:0")
+    await host.start()
+    try:
+        yield host
+    finally:
+        await host.aclose()
+
+
+@pytest.mark.timeout(30)
+async def test_undecodable_grpc_requests_end_internal_with_the_parser_text(
+    grpc_host: GrpcHost, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Finding: request bytes that are not a valid message (corrupt wire format, a string field
+    with bad UTF-8) ended ``UNKNOWN`` with ``Unexpected <class 'google.protobuf.message.
+    DecodeError'>`` and the host logged an error with a traceback for each one. Now the call ends
+    ``INTERNAL`` (as the reference host's tonic answers) with the parser's text, nothing is
+    logged above debug, and the session on the same channel goes on."""
+    caplog.set_level(logging.DEBUG)
+    channel = aio.insecure_channel(grpc_host.url.removeprefix("grpc://"), options=CHANNEL_OPTIONS)
+    try:
+        stub = v1_pb2_grpc.CodeModeHostStub(channel)
+        lease = await _open(stub)
+        for method in (*UNARY, *STREAMING):
+            # Field 1 is a string (bad UTF-8), but OpenSession's is a message (corrupt).
+            bad_field = "Wire format was corrupt" if method == "OpenSession" else "bad UTF-8"
+            for payload, detail in (
+                (b"\xff\xff", "Wire format was corrupt"),
+                (b"\x0a\x02\xff\xfe", bad_field),
+            ):
+                error = await _raw_call(channel, method, payload)
+                assert error.code() == grpc.StatusCode.INTERNAL, (method, error)
+                message = error.details() or ""
+                assert message.startswith(UNDECODABLE), (method, message)
+                assert detail in message and "codex.code_mode.v1." in message, (method, message)
+                assert "class" not in message, (method, message)
+        errors = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert not errors, [r.getMessage() for r in errors]
+        call = _execute(stub, lease, "text('fine')")
+        await _started(call)
+        assert _texts(await _outcome(call)) == ["fine"]
+        lease.call.cancel()
+    finally:
+        await channel.close()
+
+
+@pytest.mark.timeout(30)
+async def test_undecodable_grpc_requests_without_the_token_are_unauthenticated(
+    provider: LocalSessionProvider,
+) -> None:
+    """The token is checked first: a refused peer learns nothing about what it sent."""
+    host = GrpcHost(provider, "grpc://127.0.0.1:0", token="s3cret")
+    await host.start()
+    channel = aio.insecure_channel(host.url.removeprefix("grpc://"), options=CHANNEL_OPTIONS)
+    try:
+        for method in ("Wait", "Execute"):
+            error = await _raw_call(channel, method, b"\xff\xff")
+            assert error.code() == grpc.StatusCode.UNAUTHENTICATED, (method, error)
+        # With the token, the same bytes get the decoding error, and a valid request works.
+        metadata = (("authorization", "Bearer s3cret"),)
+        with pytest.raises(aio.AioRpcError) as raised:
+            await channel.unary_unary(SERVICE_PATH_PREFIX + "Wait", _identity, _identity)(
+                b"\xff\xff", metadata=metadata, timeout=10
+            )
+        assert raised.value.code() == grpc.StatusCode.INTERNAL, raised.value
+        stub = v1_pb2_grpc.CodeModeHostStub(channel)
+        opened = stub.OpenSession(pb.OpenSessionRequest(), metadata=metadata)
+        first = await asyncio.wait_for(opened.read(), 30)
+        assert isinstance(first, pb.SessionEvent) and first.WhichOneof("event") == "opened"
+        opened.cancel()
+    finally:
+        await channel.close()
+        await host.aclose()
