@@ -59,9 +59,23 @@ def _version() -> str:
         return __version__
 
 
+def _standard_streams() -> None:
+    """Make descriptors 0, 1 and 2 usable, for a command started with one of them closed
+    (``codemode run cell.js <&-``): each closed one is opened on /dev/null, so that no pipe or
+    file opened later takes its number (uvloop aborts on closing such a pipe; output would reach
+    it), and a standard stream Python left None (it had no descriptor) is opened on it."""
+    while (fd := os.open(os.devnull, os.O_RDWR)) <= 2:
+        pass  # the lowest free number: it was closed, /dev/null now fills it
+    os.close(fd)
+    for name, number, mode in (("stdin", 0, "r"), ("stdout", 1, "w"), ("stderr", 2, "w")):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(number, mode, encoding="utf-8", closefd=False))  # noqa: SIM115
+
+
 def main(argv: Sequence[str] | None = None, *, only: str | None = None) -> int:
     """Run the command line; returns the exit status. ``only`` names the one command ``argv``
     may use (the others are then not imported)."""
+    _standard_streams()
     if argv is None:
         argv = sys.argv[1:]
     args = _parser(only or _named_command(argv)).parse_args(argv)

@@ -113,10 +113,14 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def local_provider(args: argparse.Namespace, *, store_load: bool = True) -> LocalSessionProvider:
-    """The embedded runtime, configured by the engine options."""
+def local_provider(
+    args: argparse.Namespace, *, store_load: bool = True, warm_engines: int = 1
+) -> LocalSessionProvider:
+    """The embedded runtime, configured by the engine options; ``warm_engines`` started engines
+    wait for the next session (0 for one session, as ``run`` opens)."""
     return LocalSessionProvider(
         store_load=store_load,
+        warm_engines=warm_engines,
         console=args.console,
         shared_engine=args.shared_engine,
         memory_cap_bytes=args.memory_cap,

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import os
 import shlex
+import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from codemode.cli.common import (
@@ -45,6 +49,11 @@ __all__ = ["add_parser"]
 
 #: Exit status of a run whose cell was terminated at --timeout (as timeout(1) exits).
 TIMED_OUT = 124
+#: Exit status of a run interrupted by Ctrl-C (128 + SIGINT, as a shell reports it).
+INTERRUPTED = 130
+#: Signals that stop a run as Ctrl-C does (its engine stopped, not left running); the exit
+#: status is 128 + the signal's number.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 def _describe_item(item: ContentItem) -> str:
@@ -110,12 +119,12 @@ async def _start_mcp_servers(
                 raise CodeModeError(f"MCP server {name}: {error}") from None
 
 
-async def _run(args: argparse.Namespace) -> int:
-    if args.describe:
-        return await _describe(args)
+def _read_source(args: argparse.Namespace) -> str | None:
+    """The cell's source, read before the event loop starts (there, a blocking read of a
+    terminal would not end at Ctrl-C); None: a usage error, reported."""
     if args.file is None:
         print("codemode: run needs FILE (or - for stdin), or --describe", file=sys.stderr)
-        return 2
+        return None
     try:
         if args.file == "-":
             source = sys.stdin.read()
@@ -124,10 +133,62 @@ async def _run(args: argparse.Namespace) -> int:
             source = Path(args.file).read_text(encoding="utf-8")
     except OSError as error:
         print(f"codemode: cannot read {args.file}: {error.strerror}", file=sys.stderr)
-        return 2
+        return None
     except UnicodeError as error:
         print(f"codemode: cannot read {args.file}: not UTF-8 text ({error})", file=sys.stderr)
-        return 2
+        return None
+    return source
+
+
+async def _stoppable(args: argparse.Namespace, source: str | None) -> int:
+    """:func:`_run`, stopped at SIGTERM or SIGHUP as Ctrl-C stops it: cancelled, so that its
+    engine is stopped on the way out (the default action would end this process only, and an
+    engine busy in a cell would go on running)."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    received: list[signal.Signals] = []
+
+    def stop(signum: signal.Signals) -> None:
+        if not received:
+            received.append(signum)
+            task.cancel()
+
+    for signum in _STOP_SIGNALS:
+        loop.add_signal_handler(signum, stop, signum)
+    try:
+        status = await _run(args, source)
+    except asyncio.CancelledError:
+        if not received:
+            raise
+    finally:
+        for signum in _STOP_SIGNALS:
+            loop.remove_signal_handler(signum)
+    if received:
+        print(f"codemode: stopped by {received[0].name}", file=sys.stderr)
+        return 128 + received[0].value
+    return status
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Send what is written to descriptor 1 (a tool's print, a child it starts) to stderr
+    meanwhile: with --json, stdout carries the one line of JSON only."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+async def _run(args: argparse.Namespace, source: str | None) -> int:
+    if args.describe:
+        return await _describe(args)
+    assert source is not None
 
     def show_notification(call_id: str, cell_id: CellId, text: str) -> None:
         print(f"notify: {text}", file=sys.stderr, flush=True)
@@ -137,11 +198,17 @@ async def _run(args: argparse.Namespace) -> int:
     except CodeModeError as error:
         print(f"codemode: {error}", file=sys.stderr)
         return 2
-    async with contextlib.AsyncExitStack() as servers:
-        registry = await _tools(servers, args, show_notification)
-        if registry is None:
-            return 2
-        return await _run_cell(args, parsed, registry)
+    final: list[bytes] = []
+    with _stdout_to_stderr() if args.json else contextlib.nullcontext():
+        async with contextlib.AsyncExitStack() as servers:
+            registry = await _tools(servers, args, show_notification)
+            if registry is None:
+                return 2
+            status = await _run_cell(args, parsed, registry, final)
+    if final:
+        sys.stdout.buffer.write(final[0])
+        sys.stdout.flush()
+    return status
 
 
 async def _describe(args: argparse.Namespace) -> int:
@@ -170,6 +237,12 @@ async def _tools(
             registry = load_tool_file(args.tools, on_notify=on_notify)
         else:
             registry = ToolRegistry(on_notify=on_notify)
+        if args.tools and not registry.definitions():
+            print(
+                f"codemode: warning: {args.tools} defines no tools (only its public top-level "
+                "functions become tools)",
+                file=sys.stderr,
+            )
         await _start_mcp_servers(servers, registry, args.mcp or [])
     except CodeModeError as error:
         print(f"codemode: {error}", file=sys.stderr)
@@ -178,8 +251,9 @@ async def _tools(
 
 
 async def _run_cell(
-    args: argparse.Namespace, parsed: ParsedExecSource, registry: ToolRegistry
+    args: argparse.Namespace, parsed: ParsedExecSource, registry: ToolRegistry, out: list[bytes]
 ) -> int:
+    """Run the cell; with --json its final response's line is appended to ``out``."""
     yield_ms = args.yield_ms if args.yield_ms is not None else parsed.yield_time_ms
     max_tokens = args.max_output_tokens
     if max_tokens is None:
@@ -192,10 +266,11 @@ async def _run_cell(
         # Each observation ends by the deadline, so the cell is stopped there and not later.
         if deadline is None:
             return ms
-        return min(ms, max(0, int((deadline - time.monotonic()) * 1000)))
+        left = (deadline - time.monotonic()) * 1000  # a float: inf for --timeout 1e308
+        return ms if left >= ms else max(0, int(left))
 
     collected: list[ContentItem] = []
-    async with local_provider(args) as provider:
+    async with local_provider(args, warm_engines=0) as provider:  # one session: no spare
         session = await provider.create_session(registry)
         cell = await session.execute(
             ExecuteRequest(
@@ -230,12 +305,10 @@ async def _run_cell(
                 timed_out = True
                 outcome = await session.terminate(cell.cell_id)
             else:
-                outcome = await session.wait(
-                    WaitRequest(
-                        cell.cell_id,
-                        capped(DEFAULT_WAIT_YIELD_TIME_MS if yield_ms is None else yield_ms),
-                    )
-                )
+                # At least 1 ms: a wait of 0 ms answers without giving the event loop a turn,
+                # and this loop would then never read the engine's output (the cell's end).
+                wait_ms = DEFAULT_WAIT_YIELD_TIME_MS if yield_ms is None else max(1, yield_ms)
+                outcome = await session.wait(WaitRequest(cell.cell_id, capped(wait_ms)))
             response = outcome.response
     if args.json:
         final: RuntimeResponse
@@ -243,8 +316,7 @@ async def _run_cell(
             final = Result(response.cell_id, collected, response.error_text)
         else:
             final = Terminated(response.cell_id, collected)
-        sys.stdout.buffer.write(encode_payload(runtime_response_to_wire(final)) + b"\n")
-        sys.stdout.flush()
+        out.append(encode_payload(runtime_response_to_wire(final)) + b"\n")
     if timed_out and not isinstance(response, Result):
         print(
             f"codemode: the cell was terminated after --timeout {args.timeout:g} s", file=sys.stderr
@@ -256,12 +328,21 @@ async def _run_cell(
 
 def _run_command(args: argparse.Namespace) -> int:
     try:
-        return run_main(lambda: _run(args), args.loop)
+        source = None if args.describe else _read_source(args)
+        if source is None and not args.describe:
+            return 2
+        return run_main(lambda: _stoppable(args, source), args.loop)
     except CodeModeError as error:
         print(f"codemode: {error}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        raise  # the reader of stdout went away: the command line's normal end
+    except OSError as error:  # e.g. the engine's cache directory cannot be made
+        print(f"codemode: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
-        return 130
+        print("codemode: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -274,7 +355,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "of --tools and --mcp, and a cell that yields is waited on until it completes. Prints what the "
         "model would see; --json prints the final RuntimeResponse (all items of the run) as one "
         "line of V1 wire JSON; --describe prints the exec tool's description instead. Exit status: "
-        "0 completed, 1 script error, 2 usage error, 124 terminated at --timeout.",
+        "0 completed, 1 script error, 2 usage error, 124 terminated at --timeout, 130 "
+        "interrupted (Ctrl-C), 143 / 129 stopped by SIGTERM / SIGHUP.",
     )
     run.add_argument(
         "file", nargs="?", metavar="FILE", help="JavaScript source file, or - for stdin"

@@ -24,7 +24,8 @@ def load_tool_file(path: str | Path, *, on_notify: NotifyCallback | None = None)
     """Import ``path`` and register its public top-level functions (see the module docstring)."""
     file = Path(path)
     if not file.is_file():
-        raise CodeModeError(f"tool file not found: {file}")
+        what = "is a directory, not a Python file" if file.is_dir() else "not found"
+        raise CodeModeError(f"tool file {what}: {file}")
     module_name = f"codemode_tools_{abs(hash(str(file.resolve())))}"
     spec = importlib.util.spec_from_file_location(module_name, file)
     if spec is None or spec.loader is None:

@@ -60,15 +60,21 @@ def ensure_isolated_vm(node: str) -> Path:
     target = cache_dir() / f"isolated-vm-{VERSION}"
     if _usable(target):
         return target
-    with fetch_lock(target.parent):
-        if not _usable(target):
-            try:
+    try:
+        with fetch_lock(target.parent):
+            if not _usable(target):
                 _fetch(node, target)
-            except PackageFetchError as error:
-                raise EngineSetupError(
-                    f"cannot fetch isolated-vm@{VERSION}: {error.message}; set "
-                    "CODEMODE_ISOLATED_VM to an unpacked copy of the package to run offline"
-                ) from None
+    except PackageFetchError as error:
+        raise EngineSetupError(
+            f"cannot fetch isolated-vm@{VERSION}: {error.message}; set "
+            "CODEMODE_ISOLATED_VM to an unpacked copy of the package to run offline"
+        ) from None
+    except OSError as error:  # the cache directory cannot be made or written, say
+        raise EngineSetupError(
+            f"cannot fetch isolated-vm@{VERSION} into {target.parent}: {error}; set "
+            "CODEMODE_CACHE_DIR to a writable directory, or CODEMODE_ISOLATED_VM to an unpacked "
+            "copy of the package"
+        ) from None
     return target
 
 
