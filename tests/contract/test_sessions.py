@@ -279,6 +279,24 @@ async def test_s19_zero_yield_time(harness: Harness) -> None:
     assert time.monotonic() - began < 1.0
 
 
+async def test_s19_waits_of_zero_ms_in_a_loop_see_the_cell_complete(harness: Harness) -> None:
+    # Each 0 ms observation answers at once; the caller polling with them must still let the
+    # cell's output in (an embedded session whose answer never gave the event loop a turn spun
+    # for ever).
+    session = await harness.session()
+    cell, response = await start(session, 'text("a"); text("b")', yield_ms=0)
+    seen = list(response.content_items)
+    for _ in range(20_000):
+        if isinstance(response, Result):
+            break
+        outcome = await session.wait(WaitRequest(CellId(cell), 0))
+        assert isinstance(outcome, LiveCell)
+        response = outcome.response
+        seen += response.content_items
+    assert isinstance(response, Result), "polling with 0 ms waits never saw the cell complete"
+    assert seen == items("a", "b")
+
+
 async def test_s20_pending_call_cancelled_before_the_result(harness: Harness) -> None:
     delegate = RecordingDelegate()
     session = await harness.session(delegate)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 
 import pytest
 
@@ -297,3 +298,119 @@ async def test_lone_surrogates_sent_to_the_engine_become_replacement_characters(
         InputText('{"v":1}'),
         InputText("\ufffd|\U0001f600"),
     ]
+
+
+# A program that starts a cell in a loop for ever, prints its engine's pid, then waits.
+_PARENT_OF_A_RUNAWAY_CELL = """
+import asyncio
+from codemode.protocol import ExecuteRequest
+from codemode.runtime import LocalSessionProvider
+from codemode.session import CodeModeSessionDelegate
+
+async def main():
+    provider = LocalSessionProvider()
+    session = await provider.create_session(CodeModeSessionDelegate())
+    started = await session.execute(
+        ExecuteRequest(tool_call_id="c", source="while (true) {}", yield_time_ms=50)
+    )
+    await started.initial_response()
+    print(session.engine.pid, flush=True)
+    await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+def _exited(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
+async def test_an_engine_dies_with_the_process_that_started_it() -> None:
+    # Killed, the parent closes nothing: the engine's stdin ends, but its exit would wait for the
+    # cell's thread, which never returns; it must not be left to spin a CPU for ever.
+    parent = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _PARENT_OF_A_RUNAWAY_CELL, stdout=asyncio.subprocess.PIPE
+    )
+    assert parent.stdout is not None
+    try:
+        pid = int(await asyncio.wait_for(parent.stdout.readline(), 30))
+    finally:
+        parent.kill()
+        await parent.wait()
+    for _ in range(100):
+        if _exited(pid):
+            break
+        await asyncio.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail("the engine outlived the process that started it")
+
+
+# Programs that fail right after starting a cell, while the engine may still be spawning:
+# asyncio.run() then cancels the engine's start, and must end.
+_FAILS_WHILE_THE_ENGINE_STARTS = """
+import asyncio, sys
+from codemode.protocol import ExecuteRequest
+from codemode.runtime import LocalSessionProvider
+from codemode.session import CodeModeSessionDelegate
+
+async def main(delay):
+    provider = LocalSessionProvider()
+    session = await provider.create_session(CodeModeSessionDelegate())
+    await session.execute(ExecuteRequest(tool_call_id="c", source="text(1)"))
+    await asyncio.sleep(delay)
+    raise LookupError("the program's own error")
+
+for delay in (0, 0, 0.001, 0.003, 0.005, 0.01, 0.02):
+    try:
+        asyncio.run(main(delay))
+    except LookupError:
+        pass
+print("ended")
+"""
+
+
+async def test_a_program_that_fails_while_its_engine_starts_ends() -> None:
+    program = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _FAILS_WHILE_THE_ENGINE_STARTS,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(program.communicate(), 40)
+    except TimeoutError:
+        program.kill()
+        await program.wait()
+        pytest.fail("asyncio.run() hung on an engine start it cancelled")
+    assert (program.returncode, out) == (0, b"ended\n"), err.decode()
+
+
+async def test_an_engine_whose_stdin_ends_exits_by_itself_with_a_cell_in_a_loop(
+    provider: LocalSessionProvider,
+) -> None:
+    # process.exit() waits for every isolate's thread: the engine must stop its isolates first,
+    # or a cell in a loop for ever keeps an engine whose runtime is gone (spinning a CPU).
+    session = await provider.create_session(CodeModeSessionDelegate())
+    started = await session.execute(
+        ExecuteRequest(tool_call_id="c", source="while (true) {}", yield_time_ms=50)
+    )
+    await started.initial_response()
+    engine = session.engine
+    assert engine is not None and engine._transport is not None and engine._stdin is not None
+    transport = engine._transport
+    engine._stdin.close()  # the end of its input, with the cell still running
+    for _ in range(100):
+        if transport.get_returncode() is not None:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        transport.kill()
+        pytest.fail("the engine did not exit at the end of its stdin")
+    assert transport.get_returncode() == 0

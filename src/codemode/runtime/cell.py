@@ -205,6 +205,10 @@ class Cell:
 
     async def _observation(self, observer: _Observer, early: EarlyYield | None) -> RuntimeResponse:
         try:
+            if observer.future.done():
+                # Known at once (a 0 ms yield, a completion): the loop still gets its turn, or
+                # a caller that waits 0 ms in a loop would never let the engine's output in.
+                await asyncio.sleep(0)
             response = await observer.future
         except asyncio.CancelledError:
             if self._observer is observer:

@@ -231,22 +231,28 @@ class _EngineOutput(asyncio.Protocol):
 
 
 class _HostProtocol(asyncio.SubprocessProtocol):
-    """The engine process: its stderr (logged) and its exit."""
+    """The engine process's exit."""
 
     def __init__(self, engine: NodeEngine) -> None:
         self._engine = engine
-        self._stderr = bytearray()
-
-    def pipe_data_received(self, fd: int, data: bytes) -> None:
-        self._stderr += data
-        *lines, rest = self._stderr.split(b"\n")
-        self._stderr = bytearray(rest[-4096:])
-        for line in lines:
-            logger.debug("engine: %s", line[:4096].decode("utf-8", "replace"))
 
     def process_exited(self) -> None:
         self._engine._drain_output()  # what the child wrote before it exited comes first
         self._engine._host_exited()
+
+
+class _EngineLog(asyncio.Protocol):
+    """The engine's stderr, logged line by line (a line's first 4 KiB)."""
+
+    def __init__(self) -> None:
+        self._pending = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        self._pending += data
+        *lines, rest = self._pending.split(b"\n")
+        self._pending = bytearray(rest[-4096:])
+        for line in lines:
+            logger.debug("engine: %s", line[:4096].decode("utf-8", "replace"))
 
 
 class NodeEngine:
@@ -354,17 +360,21 @@ class NodeEngine:
         self._exit_reason = "the JavaScript engine process exited"
         self._exit_kind = "crashed"
         self._exiting = False
-        # The child's stdin and its frames out are pipes of our own, connected straight to the
-        # loop: see _EngineOutput (stderr, only logged, stays a subprocess pipe). Its frames go
-        # out on a descriptor of their own, not stdout: V8 prints some diagnostics a cell can
-        # provoke (an invalid "use asm" function's) to stdout, and anything there is dropped.
+        # The child's pipes are all of our own, connected straight to the loop: its frames out
+        # are read by _EngineOutput (a subprocess transport defers every chunk by a call_soon),
+        # and a subprocess_exec cancelled before it connected a pipe of its own would wait for
+        # it for ever (CPython 3.11: asyncio.run() then hangs at its exit). Its frames go out on
+        # a descriptor of their own, not stdout: V8 prints some diagnostics a cell can provoke
+        # (an invalid "use asm" function's) to stdout, and anything there is dropped.
         child_in, parent_out = os.pipe()
         parent_in, child_out = os.pipe()
+        parent_err, child_err = os.pipe()
         command.append(str(child_out))
         preexec = child_preexec(
             loop,
             confinement.preexec(read_paths, [Path(node)], unix_sockets=False),
             pass_fds=(child_out,),
+            bound_to_parent=True,
         )
         try:
             transport, _ = await loop.subprocess_exec(
@@ -372,7 +382,7 @@ class NodeEngine:
                 *command,
                 stdin=child_in,
                 stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.PIPE,
+                stderr=child_err,
                 pass_fds=(child_out,),
                 preexec_fn=preexec,
                 env=_engine_environment(),
@@ -380,16 +390,16 @@ class NodeEngine:
             )
         except BaseException as error:
             self._ready = None
-            os.close(parent_in)
-            os.close(parent_out)
+            for fd in (parent_in, parent_out, parent_err):
+                os.close(fd)
             if isinstance(error, OSError):
                 raise CodeModeError(
                     f"failed to start the JavaScript engine {node}: {error}"
                 ) from None
             raise
         finally:
-            os.close(child_in)
-            os.close(child_out)
+            for fd in (child_in, child_out, child_err):
+                os.close(fd)
         self._transport = transport
         self._gone.clear()
         reader = self._reader = _EngineOutput(self)
@@ -397,6 +407,8 @@ class NodeEngine:
         if hasattr(output, "max_size"):  # asyncio's pipe transport; uvloop has no such knob
             output.max_size = READ_CHUNK
         self._output = output
+        # Ends by itself with the child's stderr.
+        await loop.connect_read_pipe(_EngineLog, os.fdopen(parent_err, "rb", 0))
         stdin, _ = await loop.connect_write_pipe(
             asyncio.BaseProtocol, os.fdopen(parent_out, "wb", 0)
         )

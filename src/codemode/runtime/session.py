@@ -58,6 +58,10 @@ _ENCODER: Final = msgspec.json.Encoder()
 MAX_STORE_CHARS: Final = 256 * 1024 * 1024
 #: How long a session keeps its engine process without a live cell.
 DEFAULT_IDLE_ENGINE_TIMEOUT: Final = 30.0
+#: After a session takes an engine, how long its replacement waits before it starts: a Node
+#: process's start (≈30 ms of CPU) would otherwise compete with the session's first cell. A
+#: session that comes meanwhile starts an engine of its own at once.
+REFILL_DELAY: Final = 0.25
 
 
 class EnginePool:
@@ -77,6 +81,7 @@ class EnginePool:
         self._node = node
         self._ready: list[NodeEngine] = []
         self._refill: asyncio.Task[None] | None = None
+        self._refill_timer: asyncio.TimerHandle | None = None
         self._closed = False
 
     def _new(self) -> NodeEngine:
@@ -101,7 +106,7 @@ class EnginePool:
         if engine is None:
             engine = self._new()
             await engine.start()
-        self._schedule_refill()
+        self._schedule_refill(REFILL_DELAY)
         return engine
 
     def _pop_ready(self) -> NodeEngine | None:
@@ -119,10 +124,17 @@ class EnginePool:
         if self._refill is not None:
             await asyncio.shield(self._refill)
 
-    def _schedule_refill(self) -> None:
-        if self.size > 0 and (self._refill is None or self._refill.done()):
-            self._refill = asyncio.ensure_future(self._fill())
-            self._refill.add_done_callback(_log_failure)
+    def _schedule_refill(self, delay: float = 0.0) -> None:
+        if self._refill_timer is not None:
+            self._refill_timer.cancel()
+            self._refill_timer = None
+        if self._closed or self.size == 0 or (self._refill is not None and not self._refill.done()):
+            return
+        if delay > 0:
+            self._refill_timer = asyncio.get_running_loop().call_later(delay, self._schedule_refill)
+            return
+        self._refill = asyncio.ensure_future(self._fill())
+        self._refill.add_done_callback(_log_failure)
 
     async def _fill(self) -> None:
         while not self._closed and len(self._ready) < self.size:
@@ -136,6 +148,9 @@ class EnginePool:
     async def aclose(self) -> None:
         """Stop the idle engines (engines handed out belong to their sessions)."""
         self._closed = True
+        if self._refill_timer is not None:
+            self._refill_timer.cancel()
+            self._refill_timer = None
         if self._refill is not None:
             # Not cancelled: an engine cancelled half-way through its start would leak its child.
             with contextlib.suppress(BaseException):

@@ -814,7 +814,11 @@ process.stdin.on('data', (chunk) => {
 // The runtime went away: nothing is left to serve.
 process.stdin.on('end', () => {
   flush();
-  process.exit(0);
+  // process.exit() waits for every isolate's thread, and a cell in a loop for ever never lets
+  // go of its own: the isolates are stopped first, and the process exits a turn later.
+  for (const cell of cells.values()) dispose(cell.isolate);
+  for (const spare of spares) dispose(spare.cell.isolate);
+  setImmediate(() => process.exit(0));
 });
 
 send({ t: 'ready' });
