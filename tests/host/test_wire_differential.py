@@ -130,7 +130,27 @@ REUSED_IDS: Final = [
     END,
 ]
 
+# A tool result reaches the cell as the JSON text it came in: -0 stays negative zero and an
+# integer past a double's range is Infinity (the engine re-encoded it: 0 and null).
+NUMBERS_SHOWN: Final = (
+    "const r = await tools.echo({}); "
+    "text(String([Object.is(r.z, -0), r.big, Object.is(r.i, -0), r.tiny, r.list]))"
+)
+NUMBERS: Final = [
+    *OPENED,
+    send(raw.execute(2, NUMBERS_SHOWN, 5000, enabled_tools=[ECHO])),
+    expect(2),
+    send(
+        tool_result(
+            1, b'{"z":-0.0,"big":1' + b"0" * 400 + b',"i":-0,"tiny":1e-400,"list":[-0.0,2.50]}'
+        )
+    ),
+    expect(2),
+    END,
+]
+
 SCRIPTS: Final = {
+    "numbers of a tool result as they came": NUMBERS,
     "nesting depth 127 read, 128 refused": NESTING,
     "nesting 100000 deep after the hello": VERY_DEEP,
     "nesting 100000 deep in the first frame": VERY_DEEP_HELLO,

@@ -584,7 +584,11 @@ class NodeEngine:
         self._flush_scheduled = False
         batch = self._outbox
         for key, results in self._results.items():
-            batch.append({"t": "results", "cell": key, "r": results})
+            # As JSON text, which the cell's isolate parses itself: the engine forwards it as it
+            # is (re-encoding it there would turn -0 into 0 and an integer past a double's range
+            # into null, where upstream's cells see -0 and Infinity).
+            text = _ENCODER.encode(results).decode()
+            batch.append({"t": "results", "cell": key, "r": text})
         self._outbox = []
         self._results = {}
         if not batch or self._stdin is None or self._stdin.is_closing():

@@ -15,7 +15,7 @@
 // Python -> host
 //   {t:'exec', cell:int, heap:int|null, source:str, config:str}
 //                                                 run a cell; `config` is the prelude's JSON text
-//   {t:'results', cell, r:[[call_id, ok, value]]} settle nested tool calls (ok=false: error text)
+//   {t:'results', cell, r:'[[call_id, ok, value]]'}  settle nested tool calls: JSON text (ok=false: error text)
 //   {t:'terminate', cell}                         stop the cell's isolate (works while it spins)
 //
 // Host -> Python (every string is well-formed UTF-16: lone surrogates become U+FFFD)
@@ -768,7 +768,7 @@ function onBatch(batch) {
       case 'results': {
         const cell = cells.get(message.cell);
         if (cell === undefined || cell.stopping) break; // late: the cell is gone
-        cell.enter('deliver', JSON.stringify(message.r));
+        cell.enter('deliver', String(message.r)); // JSON text, parsed in the isolate
         break;
       }
       case 'exec':
