@@ -1,4 +1,4 @@
-"""What the host tests share: the embedded runtime they serve."""
+"""What the host tests share: the embedded runtime they serve, and a gRPC host serving it."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from codemode.host.grpc import GrpcHost
 from codemode.runtime import LocalSessionProvider
 
 
@@ -14,3 +15,14 @@ async def provider() -> AsyncIterator[LocalSessionProvider]:
     """The embedded runtime, closed after the test."""
     async with LocalSessionProvider() as instance:
         yield instance
+
+
+@pytest.fixture
+async def grpc_host(provider: LocalSessionProvider) -> AsyncIterator[GrpcHost]:
+    """A gRPC host of ``provider`` on a free loopback port, closed after the test."""
+    host = GrpcHost(provider, "grpc://127.0.0.1:0")
+    await host.start()
+    try:
+        yield host
+    finally:
+        await host.aclose()

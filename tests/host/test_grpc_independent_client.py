@@ -20,7 +20,6 @@ import json
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,6 @@ from typing import Any
 import pytest
 
 from codemode.host.grpc import GrpcHost
-from codemode.runtime import LocalSessionProvider
 
 CLIENT = Path(__file__).with_name("independent_grpc_client.py")
 PROTO = "codex/code_mode/v1.proto"
@@ -73,16 +71,6 @@ def generated(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.fixture
-async def host(provider: LocalSessionProvider) -> AsyncIterator[GrpcHost]:
-    host = GrpcHost(provider, "grpc://127.0.0.1:0")
-    await host.start()
-    try:
-        yield host
-    finally:
-        await host.aclose()
-
-
 async def _run(generated: Path, host: GrpcHost, scenario: str) -> dict[str, Any]:
     """Run one scenario of the independent client against ``host``; its report."""
     process = await asyncio.create_subprocess_exec(
@@ -124,9 +112,9 @@ def _is_uuid4(value: str) -> bool:
 
 @pytest.mark.timeout(20)
 async def test_nested_tool_calls_through_the_generated_stubs(
-    generated: Path, host: GrpcHost
+    generated: Path, grpc_host: GrpcHost
 ) -> None:
-    report = await _run(generated, host, "tool_calls")
+    report = await _run(generated, grpc_host, "tool_calls")
     assert _is_uuid4(report["session_id"])
     execution_id = report["execution_id"]
     started = report["started"]
@@ -157,12 +145,14 @@ async def test_nested_tool_calls_through_the_generated_stubs(
         "final_tool_call_sequence": 2,
     }
     _closed_in_order(report)
-    assert host.sessions == 0
+    assert grpc_host.sessions == 0
 
 
 @pytest.mark.timeout(20)
-async def test_notifications_through_the_generated_stubs(generated: Path, host: GrpcHost) -> None:
-    report = await _run(generated, host, "notifications")
+async def test_notifications_through_the_generated_stubs(
+    generated: Path, grpc_host: GrpcHost
+) -> None:
+    report = await _run(generated, grpc_host, "notifications")
     notification = report["notification"]
     assert _is_uuid4(notification["notification_id"])
     assert notification == {
@@ -190,14 +180,14 @@ async def test_notifications_through_the_generated_stubs(generated: Path, host: 
     assert pending["execute_outcome"]["kind"] == "terminated"
     assert pending["execute_outcome"]["cell_id"] == pending["cell_id"]
     _closed_in_order(report)
-    assert host.sessions == 0
+    assert grpc_host.sessions == 0
 
 
 @pytest.mark.timeout(20)
 async def test_waits_and_session_end_through_the_generated_stubs(
-    generated: Path, host: GrpcHost
+    generated: Path, grpc_host: GrpcHost
 ) -> None:
-    report = await _run(generated, host, "observations")
+    report = await _run(generated, grpc_host, "observations")
     assert report["missing_cell"] == {
         "state": "missing_cell",
         "kind": "completed",
@@ -231,10 +221,10 @@ async def test_waits_and_session_end_through_the_generated_stubs(
     assert report["dropped_unknown_after_s"] < 1.0
     # Before that the session may still be seen, or seen closing (grpc.md §4.1).
     assert set(report["dropped_probe_codes_before"]) <= {"OK", "CANCELLED"}
-    assert host.sessions == 0
+    assert grpc_host.sessions == 0
 
 
 @pytest.mark.timeout(20)
-async def test_health_through_grpcio_health_checking(generated: Path, host: GrpcHost) -> None:
-    report = await _run(generated, host, "health")
+async def test_health_through_grpcio_health_checking(generated: Path, grpc_host: GrpcHost) -> None:
+    report = await _run(generated, grpc_host, "health")
     assert report == {"": "SERVING", SERVICE: "SERVING"}

@@ -16,7 +16,6 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # before grpc: see c
 import asyncio
 import gc
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -223,16 +222,6 @@ async def _raw_call(channel: aio.Channel, method: str, payload: bytes) -> aio.Ai
     except aio.AioRpcError as error:
         return error
     raise AssertionError(f"{method} accepted undecodable bytes")
-
-
-@pytest.fixture
-async def grpc_host(provider: LocalSessionProvider) -> AsyncIterator[GrpcHost]:
-    host = GrpcHost(provider, "grpc://127.0.0.1:0")
-    await host.start()
-    try:
-        yield host
-    finally:
-        await host.aclose()
 
 
 @pytest.mark.timeout(30)
