@@ -178,6 +178,9 @@ class Cell {
     this.limit = undefined; // the memory limit (MB) this cell's isolate was made with
     this.turns = []; // the isolate's turns entered and not yet ended, in order (their promises)
     this.rewritten = false; // the cell stored after its end was reported: its writes are asked again
+    this.sendDone = undefined; // sends the cell's `done` (once its end is decided)
+    this.exitRequested = false; // exit() ran: `done` went out at once, the isolate is stopped
+    this.exitWrites = undefined; // the writes as exit() found them, when they changed after the end
   }
 
   // Runs `kind` inside the isolate. A failure here means the isolate died (memory limit,
@@ -239,7 +242,7 @@ class Cell {
         // its isolate is gone already
       }
     }
-    const completed = this.finished && !this.stopping && reason === 'stopped';
+    const completed = this.finished && !this.stopping && !this.exitRequested && reason === 'stopped';
     if (isolate !== null && !isolate.isDisposed) {
       // A cell that completed is disposed a turn later, after the spare for the next cell is
       // made and the next cell (if it came meanwhile) started; any other end disposes now.
@@ -328,11 +331,14 @@ class Cell {
         done.call = [tool, line, column];
       }
       // The turn that decided the end runs its leftover microtasks first (their items are
-      // part of the result, as upstream's): `done` goes out when that turn has ended.
-      cell.afterTurn(() => {
+      // part of the result, as upstream's): `done` goes out when that turn has ended — or at
+      // once on exit() (see exitNow).
+      cell.sendDone = () => {
         if (!live()) return;
         cell.finished = true;
-        if (cell.rewritten) { // a leftover microtask stored more: the writes as they are now
+        if (cell.exitWrites !== undefined) {
+          done.writes = cell.exitWrites; // read by the prelude at exit(): its isolate may be busy
+        } else if (cell.rewritten) { // a leftover microtask stored more: the writes as they are now
           try {
             const now = cell.entry.applySync(undefined, ['writes'], { result: { copy: true } });
             if (typeof now === 'string') done.writes = wellFormed(now);
@@ -347,7 +353,18 @@ class Cell {
         }
         sendLarge(done, done.writes.length + (done.error === null ? 0 : done.error.length));
         cell.exit('stopped');
-      });
+      };
+      cell.afterTurn(cell.sendDone);
+    };
+    // exit() (runtime.md §9) cannot be caught: nothing of the cell runs after it. The prelude's
+    // EXIT is an exception a cell can catch (or outlive in a `finally`), so the end is not left
+    // to the turn's end, which such a cell may never reach (a `catch` in a loop): `done` goes out
+    // now and the isolate is stopped, wherever its code is.
+    const exitNow = (writes) => {
+      if (!live() || !cell.ending || cell.sendDone === undefined) return;
+      if (cell.rewritten && typeof writes === 'string') cell.exitWrites = writes;
+      cell.exitRequested = true;
+      cell.sendDone();
     };
     const setTimer = (id, ms) => {
       if (!live() || !Number.isSafeInteger(id) || typeof ms !== 'number') return;
@@ -376,6 +393,7 @@ class Cell {
         case 5: setTimer(a, b); break;
         case 6: clearTimer(a); break;
         case 7: rewritten(); break;
+        case 8: exitNow(a); break;
         default: break;
       }
     }, { ignored: true });
@@ -568,8 +586,9 @@ const VALUE_KEYWORDS = new Set(['this', 'super', 'null', 'true', 'false', 'undef
 
 function renameDynamicImports(source) {
   if (!source.includes('import')) return source;
-  const out = [];
-  let last = 0;
+  const imports = []; // where each dynamic import to rename starts
+  const parens = []; // for each open parenthesis: where the `import` before it starts, or -1
+  let importBefore = -1; // an `import` whose `(` comes next
   let i = 0;
   let valueBefore = false; // does a `/` here divide (true) or start a regular expression?
   const templates = []; // brace depths at which a template literal's `${` was opened
@@ -638,11 +657,10 @@ function renameDynamicImports(source) {
           } else break;
         }
         // `import(...) {` is a method named import (`{ import(x) {} }`, `get import() {}`):
-        // a call is never followed by a block.
-        if (source[j] === '(' && !startsBlock(source, skipParens(source, j))) {
-          out.push(source.slice(last, start), DYNAMIC_IMPORT);
-          last = i;
-        }
+        // a call is never followed by a block. Decided when this pass reaches the closing
+        // parenthesis (a scan ahead from every `import(` would make a cell whose source nests
+        // them, or hides a `(` from such a scan, stall this thread quadratically).
+        if (source[j] === '(') importBefore = start;
       }
       valueBefore = VALUE_KEYWORDS.has(word) || !/^(return|typeof|instanceof|in|of|new|delete|void|throw|case|do|else|yield|await)$/.test(word);
     } else if (c >= '0' && c <= '9') {
@@ -663,8 +681,17 @@ function renameDynamicImports(source) {
         depth--;
         valueBefore = false;
       }
+    } else if (c === '(') {
+      parens.push(importBefore);
+      importBefore = -1;
+      i++;
+      valueBefore = false;
     } else if (c === ')' || c === ']') {
       i++;
+      if (c === ')' && parens.length > 0) {
+        const opened = parens.pop();
+        if (opened >= 0 && !startsBlock(source, i)) imports.push(opened);
+      }
       valueBefore = true;
     } else if (/\s/.test(c)) {
       i++;
@@ -675,29 +702,17 @@ function renameDynamicImports(source) {
       valueBefore = false;
     }
   }
-  if (last === 0) return source;
+  for (const opened of parens) if (opened >= 0) imports.push(opened); // never closed: a call
+  if (imports.length === 0) return source;
+  imports.sort((a, b) => a - b);
+  const out = [];
+  let last = 0;
+  for (const start of imports) {
+    out.push(source.slice(last, start), DYNAMIC_IMPORT);
+    last = start + 'import'.length;
+  }
   out.push(source.slice(last));
   return out.join('');
-}
-
-// The index just after the parenthesis that closes the one at `open` (strings, templates and
-// comments skipped), or the source's length.
-function skipParens(source, open) {
-  let depth = 0;
-  for (let i = open; i < source.length; i++) {
-    const c = source[i];
-    if (c === '(') depth++;
-    else if (c === ')' && --depth === 0) return i + 1;
-    else if (c === '"' || c === "'" || c === '`') {
-      for (i++; i < source.length && source[i] !== c; i++) if (source[i] === '\\') i++;
-    } else if (c === '/' && source[i + 1] === '*') {
-      const end = source.indexOf('*/', i + 2);
-      i = end < 0 ? source.length : end + 1;
-    } else if (c === '/' && source[i + 1] === '/') {
-      while (i < source.length && source[i] !== '\n') i++;
-    }
-  }
-  return source.length;
 }
 
 // Does a block (`{`) come at `i`, after blanks and comments?

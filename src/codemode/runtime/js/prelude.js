@@ -21,6 +21,7 @@
   const hostSetTimer = (id, ms) => host(5, id, ms);
   const hostClearTimer = (id) => host(6, id);
   const hostRewritten = () => host(7);
+  const hostExit = (writes) => host(8, writes);
 
   const g = globalThis;
   // Captured before cell code runs, so a cell that overwrites globals cannot break the helpers.
@@ -744,9 +745,23 @@
 
   // Nothing of the cell is observable after exit(): the host disposes the isolate on `finish`, and
   // until then every helper is a no-op. The throw unwinds whatever the cell was doing.
+  // EXIT itself can be caught (a `catch`, a `finally`): the host stops the isolate on hostExit,
+  // so that no code of the cell runs after it (runtime.md §9), also when exit() comes after the
+  // end was decided (a leftover microtask; the writes then go with it, as they are now).
   const EXIT = {};
   function exit() {
+    const decided = settled;
     finish(null, null, true);
+    finished = true;
+    let writes = null;
+    if (decided && rewritten) {
+      try {
+        writes = writesJson();
+      } catch (error) {
+        writes = null;
+      }
+    }
+    hostExit(writes);
     throw EXIT;
   }
 
