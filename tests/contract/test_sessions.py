@@ -297,6 +297,17 @@ async def test_s19_waits_of_zero_ms_in_a_loop_see_the_cell_complete(harness: Har
     assert seen == items("a", "b")
 
 
+async def test_twenty_sessions_make_nested_calls(harness: Harness) -> None:
+    # Over one connection, sessions share its 1,024 callback slots: however many are open, each
+    # can still call its tools.
+    sessions = [await harness.session() for _ in range(20)]
+    results = await asyncio.gather(
+        *(run(session, "text(JSON.stringify(await tools.echo({n: 1})))") for session in sessions)
+    )
+    assert [result.error_text for result in results] == [None] * 20
+    assert all(len(result.content_items) == 1 for result in results)
+
+
 async def test_s20_pending_call_cancelled_before_the_result(harness: Harness) -> None:
     delegate = RecordingDelegate()
     session = await harness.session(delegate)

@@ -1796,6 +1796,23 @@ def test_a_session_cannot_take_the_slots_other_sessions_keep() -> None:
     assert call(state, "1") == (last + 2, [], [delegated(last + 2, wire_tool("1"))])
 
 
+def test_many_sessions_on_one_connection_keep_at_most_half_the_slots_in_reserve() -> None:
+    # 17 sessions each keeping 64 slots would reserve all 1,024: no session could make a call.
+    state = host()
+    sessions = [f"session-{n}" for n in range(1, 21)]
+    for n, session in enumerate(sessions, start=1):
+        opened(state, n, session)
+    finished_cell(state, 100, "1", S1)
+    reserve = MAX_PENDING_DELEGATE_CALLS // (2 * len(sessions))
+    allowed = MAX_PENDING_DELEGATE_CALLS - reserve * (len(sessions) - 1)
+    assert allowed >= MAX_PENDING_DELEGATE_CALLS // 2
+    for _ in range(allowed):
+        state.start_tool_call(S1, tool_call("1"))
+    assert len(sent(state)) == allowed
+    refused_id = allowed + 1
+    assert call(state, "1") == (refused_id, [resolved(refused_id, J1)], [])
+
+
 def test_a_session_keeps_its_reserve_only_while_it_is_using_less() -> None:
     state = host()
     opened(state, 1, S1)

@@ -71,7 +71,8 @@ _DECODER: Final = MessageDecoder[wire.ClientToHost](
 )
 
 #: Unresolved-callback slots each session keeps for itself on a shared connection (a decision of
-#: ours within §8.6's per-connection limit; docs/security.md).
+#: ours within §8.6's per-connection limit; docs/security.md). With more than 8 open sessions
+#: each keeps less, so that the reserves together never hold more than half of the limit.
 SESSION_CALLBACK_RESERVE: Final = 64
 
 
@@ -638,14 +639,18 @@ class HostProtocol(Endpoint[wire.ClientToHost, wire.HostToClient, ev.HostEvent])
 
         Sessions sharing a connection share its 1,024-callback budget (§8.6); so that one session's
         cell cannot use it all up and starve the others' tool calls, every other open session keeps
-        up to ``SESSION_CALLBACK_RESERVE`` slots it is not using. Only near the limit is it summed.
+        up to ``SESSION_CALLBACK_RESERVE`` slots it is not using (fewer beyond 8 sessions: half of
+        the limit at most in all, or a connection with 17 sessions could make no call at all). Only
+        near the limit is it summed.
         """
-        if len(self._callbacks) < MAX_PENDING_DELEGATE_CALLS - SESSION_CALLBACK_RESERVE * len(
-            self._sessions
-        ):
+        sessions = len(self._sessions)
+        reserve = min(
+            SESSION_CALLBACK_RESERVE, MAX_PENDING_DELEGATE_CALLS // (2 * max(1, sessions))
+        )
+        if len(self._callbacks) < MAX_PENDING_DELEGATE_CALLS - reserve * sessions:
             return 0
         return sum(
-            max(0, SESSION_CALLBACK_RESERVE - other.pending)
+            max(0, reserve - other.pending)
             for other_id, other in self._sessions.items()
             if other_id != session_id and not other.shut_down
         )
