@@ -10,6 +10,7 @@ from __future__ import annotations
 from enum import StrEnum
 
 __all__ = [
+    "ArgumentTypeError",
     "CodeModeError",
     "ConnectionClosed",
     "FrameError",
@@ -40,6 +41,11 @@ class WireConversionError(CodeModeError, ValueError):
 
     def __init__(self, message: str = "out of range integral type conversion attempted") -> None:
         super().__init__(message)
+
+
+class ArgumentTypeError(CodeModeError, TypeError):
+    """A session API argument has the wrong Python type (e.g. a ``str`` where a ``CellId`` is
+    required). Raised before anything is sent or run; the session stays usable."""
 
 
 class FrameErrorKind(StrEnum):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from codemode.errors import CodeModeError
+from codemode.errors import CodeModeError, WireConversionError
 from codemode.protocol import (
     JSON,
     CodeModeNestedToolCall,
@@ -287,8 +287,12 @@ async def test_lone_surrogates_sent_to_the_engine_become_replacement_characters(
     ]
     source = (
         "const [a, b] = await Promise.allSettled([tools.bad({}), tools.ok({v: 1})]);\n"
-        'text(String(a.reason)); text(JSON.stringify(b.value)); text("\ud800|\ud83d\ude00")'
+        'text(String(a.reason)); text(JSON.stringify(b.value)); text("\\ud800|\\ud83d\\ude00")'
     )
+    # A lone surrogate in the source itself is refused up front, as on every carrier
+    # (tests/contract/test_bad_arguments.py); JavaScript escapes of surrogates are fine.
+    with pytest.raises(WireConversionError):
+        await session.execute(ExecuteRequest("c", source.replace("\\ud800", "\ud800"), tools))
     started = await session.execute(ExecuteRequest("c", source, tools, 10_000))
     response = await asyncio.wait_for(started.initial_response(), 10)
     assert isinstance(response, Result)

@@ -39,6 +39,12 @@ from codemode.errors import (
     WireConversionError,
 )
 from codemode.grpc_stubs import v1_pb2_grpc
+from codemode.protocol.arguments import (
+    check_cell_id,
+    check_execute_request,
+    check_limits,
+    check_wait_request,
+)
 from codemode.protocol.delegation import (
     CallbackFailed,
     CallbackResult,
@@ -62,6 +68,7 @@ from codemode.protocol.types import (
     ExecuteRequest,
     LiveCell,
     MissingCell,
+    Result,
     RuntimeResponse,
     WaitOutcome,
     WaitRequest,
@@ -162,6 +169,16 @@ def _route_lost(error: aio.AioRpcError) -> bool:
             if key == ROUTE_LOST_KEY and value == "true":
                 return True
     return False
+
+
+def _never_a_cell(wire_id: str) -> bool:
+    """An id no host can give a cell (§3: non-empty, at most 256 bytes), which the host would
+    refuse as malformed: it is a missing cell, as on every other carrier."""
+    return not wire_id or len(wire_id.encode("utf-8", "surrogatepass")) > MAX_IDENTIFIER_BYTES
+
+
+def _missing(cell_id: CellId) -> MissingCell:
+    return MissingCell(Result(cell_id, [], f"exec cell {cell_id} not found"))
 
 
 def _quiet(task: asyncio.Future[Any]) -> None:
@@ -604,6 +621,8 @@ class _Binding:
         """Observe a cell for up to ``request.yield_time_ms`` (one wait per cell at a time)."""
         key = self._wire(request.cell_id)
         self._check_usable()
+        if _never_a_cell(key):
+            return _missing(request.cell_id)
         if key in self._observing:
             raise CodeModeError(f"exec cell {request.cell_id} already has an active observer")
         self._observing.add(key)
@@ -705,6 +724,8 @@ class _Binding:
         """Stop a cell and return its final outcome."""
         wire_id = self._wire(cell_id)
         self._check_usable()
+        if _never_a_cell(wire_id):
+            return _missing(cell_id)
         request = pb.TerminateRequest(session_id=self.session_id, cell_id=wire_id)
         task = asyncio.ensure_future(
             self._race("termination", self._stub.Terminate(request, metadata=self._metadata), 0.0)
@@ -1083,6 +1104,7 @@ class GrpcSession(CodeModeSession):
     async def _execute(
         self, request: ExecuteRequest, generation: int, early_yield: asyncio.Event | None
     ) -> StartedCell:
+        check_execute_request(request)
         binding = await self._bound(generation)
         return await binding.execute(request, early_yield=early_yield)
 
@@ -1095,11 +1117,13 @@ class GrpcSession(CodeModeSession):
     async def _wait(
         self, request: WaitRequest, generation: int, early_yield: asyncio.Event | None
     ) -> WaitOutcome:
+        check_wait_request(request)
         binding = await self._bound(generation)
         return await binding.wait(request, early_yield=early_yield)
 
     async def terminate(self, cell_id: CellId) -> WaitOutcome:
         """Stop a cell and return its final outcome (never reconnects)."""
+        check_cell_id(cell_id)
         binding = self._binding
         if self._closing or binding is None:
             raise CodeModeError(SESSION_SHUTTING_DOWN)
@@ -1233,6 +1257,7 @@ class GrpcCodeModeSessionProvider(CodeModeSessionProvider):
         limits: CodeModeSessionCellExecutionLimits,
     ) -> GrpcSession:
         """Open a session whose cells share ``limits`` (admission retried as in §13.2)."""
+        check_limits(limits)
         try:
             request = conversions.open_session_request(limits)
         except WireConversionError as error:

@@ -17,6 +17,12 @@ from functools import partial
 from typing import Any, Final
 
 from codemode.errors import CodeModeError, ConnectionClosed
+from codemode.protocol.arguments import (
+    check_cell_id,
+    check_execute_request,
+    check_limits,
+    check_wait_request,
+)
 from codemode.protocol.constants import HANDSHAKE_TIMEOUT
 from codemode.protocol.delegation import CallbackResult
 from codemode.protocol.types import (
@@ -208,6 +214,8 @@ class V1ClientConnection:
     ) -> RemoteSession:
         """Open a session (``session/open``) served by ``delegate``; returns after
         ``session/ready``. Non-default ``limits`` need the negotiated capability (C7)."""
+        if limits is not None:
+            check_limits(limits)
         request_id = self._start(lambda: self._protocol.open_session(limits))
         session_id = self._protocol.session_of(request_id)
         # Registered before anything is sent: callbacks for the session can only follow its ready.
@@ -458,6 +466,7 @@ class RemoteSession(CodeModeSession):
 
     async def execute(self, request: ExecuteRequest) -> StartedCell:
         """Admit a cell on the host; its first outcome is ``initial_response()``."""
+        check_execute_request(request)
         return await self._connection._execute(self, request)
 
     async def wait(
@@ -465,12 +474,14 @@ class RemoteSession(CodeModeSession):
     ) -> WaitOutcome:
         """Observe a cell for up to ``request.yield_time_ms`` (V1 has no early yield: an
         ``early_yield`` already set raises, one set later has no effect)."""
+        check_wait_request(request)
         if early_yield is not None and early_yield.is_set():
             raise CodeModeError(EARLY_YIELD_UNSUPPORTED)
         return await self._connection._wait(self, request)
 
     async def terminate(self, cell_id: CellId) -> WaitOutcome:
         """Stop a cell and return its final outcome."""
+        check_cell_id(cell_id)
         return await self._connection._terminate(self, cell_id)
 
     async def shutdown(self) -> None:

@@ -18,6 +18,13 @@ from typing import Any, Final
 import msgspec
 
 from codemode.errors import CodeModeError
+from codemode.protocol.arguments import (
+    InvalidLimitsError,
+    check_cell_id,
+    check_execute_request,
+    check_limits,
+    check_wait_request,
+)
 from codemode.protocol.constants import DEFAULT_EXEC_YIELD_TIME_MS
 from codemode.protocol.identifiers import normalize_identifier
 from codemode.protocol.texts import SESSION_SHUTTING_DOWN
@@ -180,21 +187,6 @@ def _log_failure(task: asyncio.Task[None]) -> None:
         logger.warning("codemode engine pool: could not start an engine: %s", error)
 
 
-class InvalidLimitsError(CodeModeError):
-    """The runtime cannot enforce the requested session limits; ``detail`` says why."""
-
-    def __init__(self, detail: str) -> None:
-        super().__init__(f"invalid code-mode session execution limits: {detail}")
-        self.detail = detail
-
-
-def check_limits(limits: CodeModeSessionCellExecutionLimits) -> None:
-    """Raise :class:`InvalidLimitsError` for limits this runtime refuses (§13.10)."""
-    heap = limits.max_heap_size_bytes
-    if heap is not None and heap <= 0:
-        raise InvalidLimitsError("max_heap_size_bytes must be greater than 0")
-
-
 def _missing(cell_id: CellId) -> MissingCell:
     return MissingCell(Result(cell_id, [], f"exec cell {cell_id} not found"))
 
@@ -259,6 +251,7 @@ class LocalSession(CodeModeSession):
         task.add_done_callback(_engine_prepared)
 
     async def execute(self, request: ExecuteRequest) -> StartedCell:
+        check_execute_request(request)
         self._check_open()
         engine = await self._engine()
         self._check_open()
@@ -279,6 +272,7 @@ class LocalSession(CodeModeSession):
     async def wait(
         self, request: WaitRequest, *, early_yield: asyncio.Event | None = None
     ) -> WaitOutcome:
+        check_wait_request(request)
         self._check_open()
         cell = self._cells.get(request.cell_id)
         if cell is None:
@@ -303,6 +297,7 @@ class LocalSession(CodeModeSession):
             watcher.cancel()
 
     async def terminate(self, cell_id: CellId) -> WaitOutcome:
+        check_cell_id(cell_id)
         self._check_open()
         cell = self._cells.get(cell_id)
         if cell is None:
