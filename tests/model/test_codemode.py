@@ -318,6 +318,21 @@ async def test_live_cells_follow_the_outcomes(
     assert with_fake.live_cells == {}
 
 
+async def test_wait_arguments_may_be_a_mapping_already_decoded(
+    with_fake: CodeMode, fake: RecordingFakeSession
+) -> None:
+    fake.response = Yielded(CellId("1"), [])
+    await with_fake.handle(exec_call("call-1", "await 0"))
+    fake.outcome = LiveCell(Result(CellId("1"), []))
+    assert (await with_fake.handle_wait({"cell_id": "1", "yield_time_ms": 10})).success
+    assert with_fake.live_cells == {}
+    refused = await with_fake.handle_wait({"cell_id": 1})
+    assert not refused.success
+    assert refused.items == [
+        InputText("failed to parse function arguments: Expected `str`, got `int` - at `$.cell_id`")
+    ]
+
+
 @pytest.mark.parametrize(
     "outcome",
     [

@@ -12,7 +12,7 @@ accepts exactly the upstream spellings and runs ``codemode host`` with what they
 
 ``--otel-trace-listen`` / ``--otel-trace-exporter`` are accepted and ignored (with a log line):
 this host exports no OpenTelemetry traces. ``--loop`` (not upstream's: Codex never passes it)
-picks the event loop as for ``codemode host``. ``codemode codex install`` puts this program where a
+picks the event loop as for ``codemode host``. ``codemode codex link`` puts this program where a
 Codex executable looks for it.
 """
 

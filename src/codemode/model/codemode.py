@@ -357,8 +357,11 @@ class CodeMode:
             return RenderedOutput([InputText(error.message)], success=False)
         return await self.handle_exec(call_id, code)
 
-    async def handle_wait(self, payload: ToolPayload | str) -> RenderedOutput:
-        """Run a ``wait`` call (JSON argument text or payload) and render its outcome."""
+    async def handle_wait(
+        self, payload: ToolPayload | str | Mapping[str, object]
+    ) -> RenderedOutput:
+        """Run a ``wait`` call (JSON argument text, a payload, or the arguments as a mapping) and
+        render its outcome."""
         handler = await self._ensure_handler()
         if handler is None:
             return _shut_down()

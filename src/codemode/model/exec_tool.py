@@ -336,9 +336,12 @@ class WaitArguments(msgspec.Struct, frozen=True):
 _WAIT_DECODER: Final = msgspec.json.Decoder(WaitArguments)
 
 
-def parse_wait_arguments(arguments: str | bytes) -> WaitArguments:
-    """Decode the wait tool's JSON arguments or raise ``failed to parse function arguments: …``."""
+def parse_wait_arguments(arguments: str | bytes | Mapping[str, object]) -> WaitArguments:
+    """Decode the wait tool's JSON arguments (the text, or a mapping a client library already
+    decoded) or raise ``failed to parse function arguments: …``."""
     try:
+        if isinstance(arguments, Mapping):
+            return msgspec.convert(dict(arguments), WaitArguments)
         return _WAIT_DECODER.decode(arguments)
     except (msgspec.DecodeError, UnicodeError) as error:
         raise CodeModeError(f"failed to parse function arguments: {error}") from None

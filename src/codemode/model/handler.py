@@ -146,8 +146,11 @@ class CodeModeToolHandler:
         response = in_source_lines(response, parsed.removed_lines)
         return render_response(response, self._clock() - started, parsed.max_output_tokens)
 
-    async def handle_wait(self, payload: ToolPayload | str) -> RenderedOutput:
-        """Decode the arguments, then wait on or terminate the cell and render the outcome."""
+    async def handle_wait(
+        self, payload: ToolPayload | str | Mapping[str, object]
+    ) -> RenderedOutput:
+        """Decode the arguments (JSON text, a payload, or a mapping already decoded), then wait on
+        or terminate the cell and render the outcome."""
         started = self._clock()
         if isinstance(payload, CustomToolInput):
             return _failure(WAIT_EXPECTS_JSON)

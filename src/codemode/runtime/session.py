@@ -192,7 +192,8 @@ def _missing(cell_id: CellId) -> MissingCell:
 
 
 class LocalSession(CodeModeSession):
-    """A session whose cells run in-process (one V8 isolate per cell)."""
+    """A session of the embedded runtime: its cells run in a separate engine process, one V8
+    isolate per cell (the process is the session's own unless the provider shares one)."""
 
     def __init__(
         self,
