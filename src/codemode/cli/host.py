@@ -33,7 +33,7 @@ from codemode.protocol.constants import (
     DEFAULT_MAX_IN_FLIGHT_REQUESTS,
     SHUTDOWN_TIMEOUT,
 )
-from codemode.runtime import confinement
+from codemode.runtime.engine import log_confinement
 from codemode.transports import StreamTransport, stdio_transport
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ def _host_options(args: argparse.Namespace) -> HostOptions:
 
 async def _host_stdio(args: argparse.Namespace) -> int:
     provider = local_provider(args, store_load=not args.no_store_load)
-    logging.getLogger("codemode.host").info("%s", confinement.probe().describe())
+    log_confinement()
     # Start an engine while the client says hello.
     warming = asyncio.ensure_future(provider.warm())
     try:
@@ -94,7 +94,7 @@ async def _host_websocket(
 
     provider = local_provider(args, store_load=not args.no_store_load)
     log = logging.getLogger("codemode.host")
-    log.info("%s", confinement.probe().describe())
+    log_confinement()
     host = WebSocketHost(
         provider,
         address,
@@ -267,7 +267,7 @@ async def _host_grpc(
     from codemode.host.grpc_stdio import serve_grpc_stdio
 
     provider = local_provider(args, store_load=not args.no_store_load)
-    logging.getLogger("codemode.host").info("%s", confinement.probe().describe())
+    log_confinement()
     warming = asyncio.ensure_future(provider.warm())  # an engine starts while clients connect
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

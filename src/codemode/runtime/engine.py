@@ -48,6 +48,17 @@ MAX_ENGINE_FRAME_BYTES: Final = 256 * 1024 * 1024
 _MAX_FRAME_TO_ENGINE: Final = 2**32 - 1
 _ENCODER: Final = msgspec.json.Encoder()
 _reported = False  # the confinement layers are logged once per process
+
+
+def log_confinement() -> None:
+    """Log which confinement layers engine processes get (once per process: a host logs it as
+    it starts, an embedding program when its first engine starts)."""
+    global _reported
+    if not _reported:
+        _reported = True
+        from codemode.runtime import confinement
+
+        logger.info("%s", confinement.probe().describe())
 _addons: dict[str, Path] = {}  # node binary -> its isolated-vm directory
 
 
@@ -340,11 +351,8 @@ class NodeEngine:
         addon = _addons.get(node)
         if addon is None:  # once per process: it may have to fetch
             addon = _addons[node] = await asyncio.to_thread(ensure_isolated_vm, node)
-        report = self.confinement = confinement.probe()
-        global _reported
-        if not _reported:
-            _reported = True
-            logger.info("%s", report.describe())
+        self.confinement = confinement.probe()
+        log_confinement()
         if self.require_confinement:
             confinement.require_all()
         read_paths = [JS_DIR, addon / "prebuilds"]
