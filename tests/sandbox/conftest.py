@@ -493,6 +493,21 @@ def assert_no_escape(canary: Canary, *outputs: object) -> None:
             assert canary.token not in text, "the cell escaped the sandbox: it read the secret"
 
 
+async def start(
+    session: CodeModeSession, source: str, yield_ms: int = 10_000
+) -> tuple[CellId, RuntimeResponse]:
+    """Execute ``source`` with the fixture tools: its cell id and its initial response."""
+    started = await session.execute(
+        ExecuteRequest(
+            tool_call_id="call",
+            source=source,
+            enabled_tools=list(FIXTURE_TOOLS),
+            yield_time_ms=yield_ms,
+        )
+    )
+    return started.cell_id, await started.initial_response()
+
+
 def texts(response: RuntimeResponse) -> list[str]:
     return [item.text for item in response.content_items if isinstance(item, InputText)]
 

@@ -29,7 +29,6 @@ import pytest
 
 from codemode.protocol import (
     CellId,
-    ExecuteRequest,
     InputImage,
     InputText,
     Result,
@@ -42,8 +41,9 @@ from codemode.runtime import LocalSession, LocalSessionProvider
 from codemode.runtime import cell as cell_module
 from codemode.runtime import engine as engine_module
 from codemode.runtime.cell import MAX_BUFFERED_OUTPUT_CHARS
-from tests.contract.delegate import FIXTURE_TOOLS, RecordingDelegate
+from tests.contract.delegate import RecordingDelegate
 from tests.runtime.test_engine_messages import wired
+from tests.sandbox.conftest import start
 from tests.wire import frame
 
 pytestmark = pytest.mark.timeout(30)
@@ -56,20 +56,6 @@ REMOTE = "https://attacker.example/leak?d=secret"
 async def provider() -> AsyncIterator[LocalSessionProvider]:
     async with LocalSessionProvider() as instance:
         yield instance
-
-
-async def start(
-    session: LocalSession, source: str, yield_ms: int = 10_000
-) -> tuple[CellId, RuntimeResponse]:
-    started = await session.execute(
-        ExecuteRequest(
-            tool_call_id="call",
-            source=source,
-            enabled_tools=list(FIXTURE_TOOLS),
-            yield_time_ms=yield_ms,
-        )
-    )
-    return started.cell_id, await started.initial_response()
 
 
 async def run(session: LocalSession, source: str) -> Result:

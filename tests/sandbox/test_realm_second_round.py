@@ -22,9 +22,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from codemode.protocol import CellId, ExecuteRequest, InputText, Result, RuntimeResponse
+from codemode.protocol import InputText, Result, RuntimeResponse
 from codemode.runtime import LocalSession, LocalSessionProvider
-from tests.contract.delegate import FIXTURE_TOOLS, RecordingDelegate
+from tests.contract.delegate import RecordingDelegate
+from tests.sandbox.conftest import start
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -33,20 +34,6 @@ pytestmark = pytest.mark.timeout(60)
 async def session() -> AsyncIterator[LocalSession]:
     async with LocalSessionProvider() as provider:
         yield await provider.create_session(RecordingDelegate())
-
-
-async def start(
-    session: LocalSession, source: str, yield_ms: int
-) -> tuple[CellId, RuntimeResponse]:
-    started = await session.execute(
-        ExecuteRequest(
-            tool_call_id="call",
-            source=source,
-            enabled_tools=list(FIXTURE_TOOLS),
-            yield_time_ms=yield_ms,
-        )
-    )
-    return started.cell_id, await started.initial_response()
 
 
 async def ends(session: LocalSession, source: str, yield_ms: int = 3_000) -> Result:
