@@ -59,6 +59,8 @@ def log_confinement() -> None:
         from codemode.runtime import confinement
 
         logger.info("%s", confinement.probe().describe())
+
+
 _addons: dict[str, Path] = {}  # node binary -> its isolated-vm directory
 
 
