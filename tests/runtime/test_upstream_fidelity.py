@@ -415,21 +415,31 @@ def outcome(response: RuntimeResponse) -> Outcome:
     return type(response).__name__, items, getattr(response, "error_text", None)
 
 
+#: Cells run this many sessions at a time (each in its own session, as before): one after the
+#: other, our side spent ~20 s starting an engine process per cell.
+CONCURRENT_SESSIONS = 6
+
+
 async def run_all(provider: CodeModeSessionProvider) -> list[Outcome]:
-    results = []
-    for source in CELLS:
-        session = await provider.create_session(RecordingDelegate())
-        started = await session.execute(
-            ExecuteRequest(
-                tool_call_id="c",
-                source=source,
-                enabled_tools=list(FIXTURE_TOOLS),
-                yield_time_ms=5000,
-            )
-        )
-        results.append(outcome(await started.initial_response()))
-        await session.shutdown()
-    return results
+    gate = asyncio.Semaphore(CONCURRENT_SESSIONS)
+
+    async def run_one(source: str) -> Outcome:
+        async with gate:
+            session = await provider.create_session(RecordingDelegate())
+            try:
+                started = await session.execute(
+                    ExecuteRequest(
+                        tool_call_id="c",
+                        source=source,
+                        enabled_tools=list(FIXTURE_TOOLS),
+                        yield_time_ms=5000,
+                    )
+                )
+                return outcome(await started.initial_response())
+            finally:
+                await session.shutdown()
+
+    return list(await asyncio.gather(*(run_one(source) for source in CELLS)))
 
 
 @pytest.fixture(scope="module")

@@ -445,6 +445,11 @@ async def test_items_after_a_termination_began_stay_within_the_buffer_bound(
     session = await provider.create_session(RecordingDelegate())
     cell_id = await parked(session)
     cell = session._cells[cell_id]
+    # A yield time of 0 answers before the cell's first run: its own text('parked') must be in
+    # before the state is forced (arriving after it, it would end the cell on the output limit).
+    async with asyncio.timeout(5):
+        while not cell._items:
+            await asyncio.sleep(0.01)
     cell._state = cell_module._State.TERMINATING
     chunk = "x" * (1024 * 1024)
     try:
