@@ -13,6 +13,7 @@ __all__ = [
     "ArgumentTypeError",
     "CodeModeError",
     "ConnectionClosed",
+    "EngineLimitError",
     "FrameError",
     "FrameErrorKind",
     "LocalProtocolError",
@@ -86,3 +87,8 @@ class RemoteProtocolError(ProtocolError):
 
 class ConnectionClosed(CodeModeError):
     """The connection to the peer is gone; carries the recorded first failure reason."""
+
+
+class EngineLimitError(CodeModeError):
+    """Every engine process a provider may run is busy with cells: a new cell is refused (a host
+    admission limit, as too many active cells)."""

@@ -121,6 +121,7 @@ def local_provider(
     return LocalSessionProvider(
         store_load=store_load,
         warm_engines=warm_engines,
+        max_engines=getattr(args, "max_engines", None) or None,
         console=args.console,
         shared_engine=args.shared_engine,
         memory_cap_bytes=args.memory_cap,

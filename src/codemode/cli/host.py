@@ -16,6 +16,7 @@ from codemode.cli.common import (
     engine_arguments,
     local_provider,
     loop_argument,
+    non_negative,
     positive,
     run_main,
     wire_revision_argument,
@@ -34,6 +35,7 @@ from codemode.protocol.constants import (
     SHUTDOWN_TIMEOUT,
 )
 from codemode.runtime.engine import log_confinement
+from codemode.runtime.session import DEFAULT_MAX_ENGINES
 from codemode.transports import StreamTransport, stdio_transport
 
 if TYPE_CHECKING:
@@ -369,6 +371,15 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="SECONDS",
         help="WebSocket and gRPC: a connection whose pong takes longer ends, with its sessions "
         "(0: never; gRPC keeps its default then)",
+    )
+    host.add_argument(
+        "--max-engines",
+        type=non_negative,
+        default=DEFAULT_MAX_ENGINES,
+        metavar="N",
+        help="engine processes at once, over all connections (one per session; at the bound an "
+        "idle session's engine is taken back, and a cell that finds every engine busy is refused; "
+        "0: no bound)",
     )
     host.add_argument(
         "--max-sessions",

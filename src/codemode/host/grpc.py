@@ -49,7 +49,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc import aio
 
-from codemode.errors import CodeModeError, WireConversionError
+from codemode.errors import CodeModeError, EngineLimitError, WireConversionError
 from codemode.grpc_stubs import v1_pb2_grpc
 from codemode.host.address import bracketed, split_listen_url
 from codemode.protocol import strict_json
@@ -709,6 +709,8 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
             return _Status(grpc.StatusCode.CANCELLED, texts.SESSION_IS_CLOSED)
         if error.message.startswith("exec cell "):
             return _Status(grpc.StatusCode.FAILED_PRECONDITION, error.message)
+        if isinstance(error, EngineLimitError):  # an admission limit of the host (§12.1)
+            return _Status(grpc.StatusCode.RESOURCE_EXHAUSTED, error.message)
         return _Status(grpc.StatusCode.INTERNAL, error.message)
 
     @staticmethod

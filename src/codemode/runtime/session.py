@@ -13,11 +13,12 @@ import asyncio
 import contextlib
 import logging
 import math
+from collections.abc import Callable
 from typing import Any, Final
 
 import msgspec
 
-from codemode.errors import CodeModeError
+from codemode.errors import CodeModeError, EngineLimitError
 from codemode.protocol.arguments import (
     InvalidLimitsError,
     check_cell_id,
@@ -50,11 +51,13 @@ from codemode.session import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_ENGINES",
     "EnginePool",
     "InvalidLimitsError",
     "LocalSession",
     "LocalSessionProvider",
     "check_limits",
+    "too_many_engines",
 ]
 
 logger = logging.getLogger("codemode.runtime")
@@ -69,10 +72,26 @@ DEFAULT_IDLE_ENGINE_TIMEOUT: Final = 30.0
 #: process's start (≈30 ms of CPU) would otherwise compete with the session's first cell. A
 #: session that comes meanwhile starts an engine of its own at once.
 REFILL_DELAY: Final = 0.25
+#: How many engine processes one provider runs at once (warm ones included), by default.
+DEFAULT_MAX_ENGINES: Final = 256
+
+
+def too_many_engines(bound: int) -> str:
+    """The refusal of a cell when every one of the ``bound`` engine processes runs cells."""
+    return (
+        f"code-mode host has too many active sessions: all {bound} engine processes are "
+        "running cells"
+    )
 
 
 class EnginePool:
-    """Started engine processes, each handed out once and never reused by another session."""
+    """Started engine processes, each handed out once and never reused by another session.
+
+    At most ``max_engines`` processes run at once (``None``: no bound). At the bound, the engine of
+    the session idle the longest is taken back (that session takes a fresh one for its next cell;
+    its store lives in Python, nothing is lost); when every engine runs cells, :meth:`take`
+    raises :class:`~codemode.errors.EngineLimitError` (:func:`too_many_engines`).
+    """
 
     def __init__(
         self,
@@ -81,15 +100,26 @@ class EnginePool:
         memory_cap_bytes: int = DEFAULT_MEMORY_CAP_BYTES,
         require_confinement: bool = False,
         node: str | None = None,
+        max_engines: int | None = DEFAULT_MAX_ENGINES,
     ) -> None:
         self.size = size
         self.memory_cap_bytes = memory_cap_bytes
         self.require_confinement = require_confinement
+        self.max_engines = max_engines
         self._node = node
         self._ready: list[NodeEngine] = []
         self._refill: asyncio.Task[None] | None = None
         self._refill_timer: asyncio.TimerHandle | None = None
         self._closed = False
+        self._held = 0  # engines handed out (or being started for a taker), not yet given back
+        self._filling = 0  # engines the refill is starting
+        #: Engines of idle sessions, idle the longest first, and how to take each one back.
+        self._reclaimable: dict[NodeEngine, Callable[[], bool]] = {}
+
+    @property
+    def engines(self) -> int:
+        """Engine processes of this pool: held by sessions, warm, or starting."""
+        return self._held + len(self._ready) + self._filling
 
     def _new(self) -> NodeEngine:
         return NodeEngine(
@@ -111,10 +141,43 @@ class EnginePool:
                 await asyncio.shield(refill)
             engine = self._pop_ready()
         if engine is None:
-            engine = self._new()
-            await engine.start()
+            self._make_room()
+            self._held += 1
+            try:
+                engine = self._new()
+                await engine.start()
+            except BaseException:
+                self._held -= 1
+                raise
+        else:
+            self._held += 1
         self._schedule_refill(REFILL_DELAY)
         return engine
+
+    def _make_room(self) -> None:
+        bound = self.max_engines
+        while bound is not None and self.engines >= bound:
+            if not self._reclaimable:
+                raise EngineLimitError(too_many_engines(bound))
+            engine = next(iter(self._reclaimable))
+            give_back = self._reclaimable.pop(engine)
+            give_back()  # a session that is busy again keeps it; the next is asked
+
+    def idle(self, engine: NodeEngine, give_back: Callable[[], bool]) -> None:
+        """``engine``'s session runs no cell: at the bound, ``give_back()`` may be called (it
+        returns whether the engine was given back with :meth:`release`)."""
+        self._reclaimable.pop(engine, None)
+        self._reclaimable[engine] = give_back
+
+    def busy(self, engine: NodeEngine) -> None:
+        """``engine``'s session runs a cell again: it is not taken back."""
+        self._reclaimable.pop(engine, None)
+
+    def release(self, engine: NodeEngine) -> asyncio.Future[None]:
+        """A session gives ``engine`` back: it is stopped (await the result to wait for that)."""
+        self._reclaimable.pop(engine, None)
+        self._held -= 1
+        return _close_in_background(engine)
 
     def _pop_ready(self) -> NodeEngine | None:
         while self._ready:
@@ -145,8 +208,14 @@ class EnginePool:
 
     async def _fill(self) -> None:
         while not self._closed and len(self._ready) < self.size:
+            if self.max_engines is not None and self.engines >= self.max_engines:
+                return  # warm engines never push the sessions' own past the bound
             engine = self._new()
-            await engine.start()
+            self._filling += 1
+            try:
+                await engine.start()
+            finally:
+                self._filling -= 1
             if self._closed:
                 await engine.aclose()
                 return
@@ -169,17 +238,12 @@ class EnginePool:
 _closing: set[asyncio.Task[None]] = set()  # strong references until each close is done
 
 
-def _close_in_background(engine: NodeEngine) -> None:
+def _close_in_background(engine: NodeEngine) -> asyncio.Future[None]:
     task = asyncio.ensure_future(engine.aclose())
     _closing.add(task)
     task.add_done_callback(_closing.discard)
     task.add_done_callback(lambda done: done.cancelled() or done.exception())
-
-
-def _engine_prepared(task: asyncio.Task[NodeEngine]) -> None:
-    # A failure is reported by the execute that takes the engine again.
-    if not task.cancelled() and (error := task.exception()) is not None:
-        logger.debug("codemode session: could not take an engine: %s", error)
+    return task
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:
@@ -204,7 +268,9 @@ class LocalSession(CodeModeSession):
         store_load: bool = True,
         console: bool = False,
         idle_engine_timeout: float = DEFAULT_IDLE_ENGINE_TIMEOUT,
+        on_closed: Callable[[LocalSession], None] | None = None,
     ) -> None:
+        self._on_closed = on_closed
         # A NodeEngine is shared (and owned by the caller); a pool gives this session its own.
         self._engines = engines
         self.engine: NodeEngine | None = engines if isinstance(engines, NodeEngine) else None
@@ -233,23 +299,41 @@ class LocalSession(CodeModeSession):
 
     async def _engine(self) -> NodeEngine:
         async with self._taking:
+            pool = self._engines
+            if not isinstance(pool, EnginePool):
+                await pool.start()  # the provider's shared engine
+                return pool
             engine = self.engine
-            if engine is not None and isinstance(self._engines, EnginePool) and not engine.running:
+            if engine is not None and not engine.running:
                 # Its process died or is ending: this session's next cells get a fresh one.
-                _close_in_background(engine)
+                self.engine = None
+                pool.release(engine)
                 engine = None
             if engine is None:
-                assert isinstance(self._engines, EnginePool)
-                engine = self.engine = await self._engines.take()
-            else:
-                await engine.start()
+                engine = self.engine = await pool.take()
+            pool.busy(engine)
             return engine
 
     def prepare_engine(self) -> None:
         """Take this session's engine in the background (``execute`` waits for it)."""
         task = asyncio.ensure_future(self._engine())
         self._preparing = task
-        task.add_done_callback(_engine_prepared)
+        task.add_done_callback(self._engine_prepared)
+
+    def _engine_prepared(self, task: asyncio.Task[NodeEngine]) -> None:
+        if task.cancelled():
+            return
+        if (error := task.exception()) is not None:
+            # Reported by the execute that takes the engine again.
+            logger.debug("codemode session: could not take an engine: %s", error)
+        elif not self._cells:
+            self._offer_engine()
+
+    def _offer_engine(self) -> None:
+        # An idle session's engine may be taken back by the pool at its bound.
+        engine = self.engine
+        if engine is not None and isinstance(self._engines, EnginePool) and not self._shutting_down:
+            self._engines.idle(engine, self._reap_if_idle)
 
     async def execute(self, request: ExecuteRequest) -> StartedCell:
         check_execute_request(request)
@@ -310,6 +394,8 @@ class LocalSession(CodeModeSession):
         if self._shutdown_task is None:
             self._shutting_down = True
             self._shutdown_task = asyncio.ensure_future(self._shutdown())
+            if (on_closed := self._on_closed) is not None:
+                self._shutdown_task.add_done_callback(lambda _: on_closed(self))
         await asyncio.shield(self._shutdown_task)
 
     async def _shutdown(self) -> None:
@@ -332,20 +418,28 @@ class LocalSession(CodeModeSession):
         engine = self.engine
         if engine is not None and isinstance(self._engines, EnginePool):
             self.engine = None
-            await engine.aclose()
+            await self._engines.release(engine)
 
     def _cancel_idle(self) -> None:
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
 
-    def _reap_if_idle(self) -> None:
-        self._idle_timer = None
+    def _reap_if_idle(self) -> bool:
+        # After idle_engine_timeout, or when the pool at its bound takes the engine back.
+        self._cancel_idle()
         engine = self.engine
-        if self._cells or engine is None or engine.live_cells or self._taking.locked():
-            return
+        if (
+            self._cells
+            or engine is None
+            or engine.live_cells
+            or self._taking.locked()
+            or not isinstance(self._engines, EnginePool)
+        ):
+            return False
         self.engine = None
-        _close_in_background(engine)
+        self._engines.release(engine)
+        return True
 
     @staticmethod
     async def _retire(cell: Cell) -> None:
@@ -385,6 +479,7 @@ class LocalSession(CodeModeSession):
         if not self._cells and isinstance(self._engines, EnginePool) and not self._shutting_down:
             self._cancel_idle()
             self._idle_timer = self._loop.call_later(self._idle_timeout, self._reap_if_idle)
+            self._offer_engine()
 
     def hold_callback(self, task: asyncio.Future[Any], size: int) -> None:
         """Count a nested call or notification served by ``task``, and ``size`` characters of its
@@ -440,7 +535,8 @@ class LocalSessionProvider(CodeModeSessionProvider):
     cell a ``console`` whose ``log`` (and ``info``, ``warn``, ``error``, ``debug``) appends a
     text item (upstream cells have none). ``shared_engine=True`` runs
     all sessions in one engine process (one trust domain: an escaped cell could reach the other
-    sessions' cells). ``memory_cap_bytes`` bounds each engine process; ``require_confinement``
+    sessions' cells). ``memory_cap_bytes`` bounds each engine process, ``max_engines`` how many
+    run at once (see :class:`EnginePool`; ``None``: no bound); ``require_confinement``
     refuses to start engines where an OS confinement layer is unavailable. Close with
     :meth:`aclose`.
     """
@@ -456,6 +552,7 @@ class LocalSessionProvider(CodeModeSessionProvider):
         require_confinement: bool = False,
         idle_engine_timeout: float = DEFAULT_IDLE_ENGINE_TIMEOUT,
         engine: NodeEngine | None = None,
+        max_engines: int | None = DEFAULT_MAX_ENGINES,
     ) -> None:
         self.store_load = store_load
         self.console = console
@@ -464,6 +561,7 @@ class LocalSessionProvider(CodeModeSessionProvider):
             size=warm_engines,
             memory_cap_bytes=memory_cap_bytes,
             require_confinement=require_confinement,
+            max_engines=max_engines,
         )
         if engine is None and shared_engine:
             engine = NodeEngine(
@@ -471,7 +569,7 @@ class LocalSessionProvider(CodeModeSessionProvider):
             )
         #: The one engine of every session, when engines are shared.
         self.shared_engine = engine
-        self._sessions: list[LocalSession] = []
+        self._sessions: set[LocalSession] = set()  # until each one's shutdown is done
 
     async def create_session(self, delegate: CodeModeSessionDelegate) -> LocalSession:
         return await self.create_session_with_limits(delegate, CodeModeSessionCellExecutionLimits())
@@ -493,6 +591,7 @@ class LocalSessionProvider(CodeModeSessionProvider):
             store_load=self.store_load,
             console=self.console,
             idle_engine_timeout=self.idle_engine_timeout,
+            on_closed=self._sessions.discard,
         )
         if self.shared_engine is None:
             if self.pool.require_confinement:  # refused at once, as its engine would refuse
@@ -500,7 +599,7 @@ class LocalSessionProvider(CodeModeSessionProvider):
             # The session is ready at once; its engine is taken meanwhile, and the first execute
             # waits for it (an engine that fails to start fails that execute, with the reason).
             session.prepare_engine()
-        self._sessions.append(session)
+        self._sessions.add(session)
         return session
 
     @property
@@ -520,7 +619,7 @@ class LocalSessionProvider(CodeModeSessionProvider):
 
     async def aclose(self) -> None:
         """Shut down every session and stop the engines."""
-        sessions, self._sessions = self._sessions, []
+        sessions = list(self._sessions)
         await asyncio.gather(*(session.shutdown() for session in sessions))
         await self.pool.aclose()
         loop = asyncio.get_running_loop()
