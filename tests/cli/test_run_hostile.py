@@ -28,6 +28,25 @@ def test_stdin_that_is_not_utf8_is_a_usage_error() -> None:
     assert result.stderr.startswith(b"codemode: cannot read -: not UTF-8 text (")
 
 
+def test_an_endless_cell_file_is_a_usage_error_not_a_memory_leak() -> None:
+    # Guards: /dev/zero (or an endless pipe) was read until memory ran out.
+    result = codemode("run", "/dev/zero", timeout=60)
+    assert result.returncode == 2
+    assert result.stderr == (
+        b"codemode: cannot read /dev/zero: longer than 67108864 bytes (a cell's source must fit "
+        b"in one protocol frame)\n"
+    )
+
+
+def test_a_cell_file_keeps_reading_as_text_mode_did(tmp_path: Path) -> None:
+    cell = tmp_path / "cell.js"
+    # CRLF and CR line ends read as LF (a template literal would see them anyway), UTF-8 intact.
+    cell.write_bytes("text(`a\r\nb`.length);\r\ntext('é')\r".encode())
+    result = codemode("run", str(cell), timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.endswith("Output:\n\n3\né\n".encode())
+
+
 def test_a_pragma_nested_past_the_decoder_is_a_usage_error() -> None:
     source = b"// @exec: " + b"[" * 5000 + b"\ntext(1)\n"
     result = codemode("run", "-", stdin=source, timeout=60)

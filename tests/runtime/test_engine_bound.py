@@ -69,6 +69,18 @@ async def test_idle_sessions_give_their_engines_back_and_keep_their_stores() -> 
             assert provider.pool.engines <= 2
 
 
+async def test_opening_a_session_takes_back_no_engine_its_first_cell_does() -> None:
+    async with LocalSessionProvider(max_engines=1, warm_engines=0) as provider:
+        first = await provider.create_session(CodeModeSessionDelegate())
+        await run(first, "text(1)")
+        engine = first.engine
+        second = await provider.create_session(CodeModeSessionDelegate())
+        await asyncio.sleep(0.3)  # its engine would be taken meanwhile
+        assert first.engine is engine and second.engine is None
+        await run(second, "text(2)")
+        assert first.engine is None and provider.pool.engines == 1
+
+
 async def test_the_warm_engine_stays_within_the_bound() -> None:
     async with LocalSessionProvider(max_engines=1, warm_engines=1) as provider:
         await provider.warm()

@@ -11,7 +11,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
+from typing import Final
 
 from codemode.cli.common import (
     engine_arguments,
@@ -41,7 +41,11 @@ from codemode.protocol import (
     Yielded,
     parse_exec_source,
 )
-from codemode.protocol.constants import DEFAULT_EXEC_YIELD_TIME_MS, DEFAULT_WAIT_YIELD_TIME_MS
+from codemode.protocol.constants import (
+    DEFAULT_EXEC_YIELD_TIME_MS,
+    DEFAULT_WAIT_YIELD_TIME_MS,
+    MAX_FRAME_BYTES,
+)
 from codemode.protocol.v1 import encode_payload
 from codemode.protocol.v1.conversions import runtime_response_to_wire
 
@@ -119,6 +123,10 @@ async def _start_mcp_servers(
                 raise CodeModeError(f"MCP server {name}: {error}") from None
 
 
+#: The longest source ``run`` reads (bytes): what one V1 frame carries.
+MAX_SOURCE_BYTES: Final = MAX_FRAME_BYTES
+
+
 def _read_source(args: argparse.Namespace) -> str | None:
     """The cell's source, read before the event loop starts (there, a blocking read of a
     terminal would not end at Ctrl-C); None: a usage error, reported."""
@@ -126,18 +134,28 @@ def _read_source(args: argparse.Namespace) -> str | None:
         print("codemode: run needs FILE (or - for stdin), or --describe", file=sys.stderr)
         return None
     try:
+        # Bounded: a cell's source travels in one frame on every carrier, and a FILE such as
+        # /dev/zero or an endless pipe would otherwise be read until memory runs out.
         if args.file == "-":
-            source = sys.stdin.read()
-            source.encode("utf-8")  # stdin may have let undecodable bytes through as surrogates
+            data = sys.stdin.buffer.read(MAX_SOURCE_BYTES + 1)
         else:
-            source = Path(args.file).read_text(encoding="utf-8")
+            with open(args.file, "rb") as file:
+                data = file.read(MAX_SOURCE_BYTES + 1)
+        if len(data) > MAX_SOURCE_BYTES:
+            print(
+                f"codemode: cannot read {args.file}: longer than {MAX_SOURCE_BYTES} bytes "
+                "(a cell's source must fit in one protocol frame)",
+                file=sys.stderr,
+            )
+            return None
+        # Line ends as text mode reads them (the source was read that way before).
+        return data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
     except OSError as error:
         print(f"codemode: cannot read {args.file}: {error.strerror}", file=sys.stderr)
         return None
     except UnicodeError as error:
         print(f"codemode: cannot read {args.file}: not UTF-8 text ({error})", file=sys.stderr)
         return None
-    return source
 
 
 async def _stoppable(args: argparse.Namespace, source: str | None) -> int:

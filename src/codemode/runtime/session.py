@@ -128,8 +128,11 @@ class EnginePool:
             require_confinement=self.require_confinement,
         )
 
-    async def take(self) -> NodeEngine:
-        """A started engine for one session; the pool starts its replacement in the background."""
+    async def take(self, *, reclaim: bool = True) -> NodeEngine:
+        """A started engine for one session; the pool starts its replacement in the background.
+
+        At the bound, ``reclaim=False`` raises rather than take an idle session's engine back (a
+        session that has no cell to run yet does not evict one that ran cells)."""
         if self._closed:
             raise CodeModeError("the engine pool is closed")
         engine = self._pop_ready()
@@ -141,7 +144,7 @@ class EnginePool:
                 await asyncio.shield(refill)
             engine = self._pop_ready()
         if engine is None:
-            self._make_room()
+            self._make_room(reclaim)
             self._held += 1
             try:
                 engine = self._new()
@@ -154,10 +157,10 @@ class EnginePool:
         self._schedule_refill(REFILL_DELAY)
         return engine
 
-    def _make_room(self) -> None:
+    def _make_room(self, reclaim: bool) -> None:
         bound = self.max_engines
         while bound is not None and self.engines >= bound:
-            if not self._reclaimable:
+            if not reclaim or not self._reclaimable:
                 raise EngineLimitError(too_many_engines(bound))
             engine = next(iter(self._reclaimable))
             give_back = self._reclaimable.pop(engine)
@@ -297,7 +300,7 @@ class LocalSession(CodeModeSession):
 
     # -- the session API ---------------------------------------------------------------------------
 
-    async def _engine(self) -> NodeEngine:
+    async def _engine(self, *, reclaim: bool = True) -> NodeEngine:
         async with self._taking:
             pool = self._engines
             if not isinstance(pool, EnginePool):
@@ -310,13 +313,14 @@ class LocalSession(CodeModeSession):
                 pool.release(engine)
                 engine = None
             if engine is None:
-                engine = self.engine = await pool.take()
+                engine = self.engine = await pool.take(reclaim=reclaim)
             pool.busy(engine)
             return engine
 
     def prepare_engine(self) -> None:
         """Take this session's engine in the background (``execute`` waits for it)."""
-        task = asyncio.ensure_future(self._engine())
+        # Without taking another session's engine back: at the bound, the first cell does that.
+        task = asyncio.ensure_future(self._engine(reclaim=False))
         self._preparing = task
         task.add_done_callback(self._engine_prepared)
 
