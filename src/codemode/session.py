@@ -47,6 +47,8 @@ __all__ = [
     "CodeModeSessionProvider",
     "NoopCodeModeSessionDelegate",
     "StartedCell",
+    "cell_context",
+    "run_in",
     "serve_callback",
 ]
 
@@ -297,20 +299,41 @@ def serve_callback(
     settle: Callable[[CallbackResult], object],
     *,
     notification: bool = False,
+    context: contextvars.Context | None = None,
 ) -> asyncio.Task[None] | None:
     """Run one delegate callback (``invoke_tool`` or ``notify``) and ``settle`` its result once.
 
     Every carrier serves callbacks through here, so a delegate fails the same way everywhere:
     its own text for a :class:`CodeModeError`, the D4 text for any other exception, the cancelled
-    text if its task is cancelled. Returns the running task, or ``None`` when the callback
-    already finished (where the loop starts tasks eagerly).
+    text if its task is cancelled. The callback runs in a copy of ``context`` (its cell's: see
+    :func:`cell_context`), else of the current one. Returns the running task, or ``None`` when
+    the callback already finished (where the loop starts tasks eagerly).
     """
     loop = asyncio.get_running_loop()
     coroutine = _serve(call, settle, notification)
+    context = contextvars.copy_context() if context is None else context.copy()
     if _EAGER_TASK_FACTORY is not None:
-        task: asyncio.Task[None] = _EAGER_TASK_FACTORY(loop, coroutine)
+        task: asyncio.Task[None] = _EAGER_TASK_FACTORY(loop, coroutine, context=context)
         return None if task.done() else task
-    return _start_eagerly(loop, coroutine)
+    return _start_eagerly(loop, coroutine, context)
+
+
+def cell_context() -> contextvars.Context:
+    """The context a cell's delegate callbacks run in: that of the ``execute`` that started it.
+
+    Every carrier takes it when ``execute`` is called, so a tool (and ``notify``,
+    ``cell_closed``) sees the context variables of the code that ran the cell — a request's user,
+    its trace span — never those of whoever happened to start the engine or the connection.
+    """
+    return contextvars.copy_context()
+
+
+def run_in(context: contextvars.Context | None, function: Callable[[], object]) -> None:
+    """Call ``function`` in a copy of ``context`` (the current context when ``None``)."""
+    if context is None:
+        function()
+    else:
+        context.copy().run(function)
 
 
 class _FirstStep:
@@ -374,13 +397,14 @@ _PRIMED: Final = object()
 
 
 def _start_eagerly(
-    loop: asyncio.AbstractEventLoop, coroutine: Coroutine[Any, Any, None]
+    loop: asyncio.AbstractEventLoop,
+    coroutine: Coroutine[Any, Any, None],
+    context: contextvars.Context,
 ) -> asyncio.Task[None] | None:
     """Python 3.11's stand-in for 3.12's eager tasks: the first step runs now, *as* the task
     that will drive the rest (so ``asyncio.current_task()``, and every timeout or cancel scope
     entered in that step, belong to it), in that task's context. The task's own first step,
     scheduled as usual, then only picks up where this one stopped."""
-    context = contextvars.copy_context()
     step = _FirstStep(coroutine)
     driver = step.drive()
     task = loop.create_task(cast(Coroutine[Any, Any, None], driver), context=context)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import pytest
@@ -88,3 +89,52 @@ async def test_cells_and_nested_calls_are_spans_under_the_caller(
     assert weather_span.status.status_code is not StatusCode.ERROR
     assert broken_span.status.status_code is StatusCode.ERROR
     assert spans["codemode.wait:"].attributes == {"codemode.cell_id": "2"}
+
+
+async def test_sessions_sharing_a_registry_keep_their_spans_apart(
+    exporter: InMemorySpanExporter,
+) -> None:
+    # Guards: spans were keyed by cell id alone; with one registry serving two sessions, the
+    # second session's cell "1" took the first's entry, and a later call of the first session's
+    # cell "1" was no child of its cell (nor in its trace).
+    registry = ToolRegistry()
+    gate = asyncio.Event()
+
+    @registry.tool
+    async def wait_for_gate() -> None:
+        await gate.wait()
+
+    @registry.tool
+    async def whoami(name: str) -> str:
+        return name
+
+    tracer = trace.get_tracer("agent")
+    async with CodeMode(registry) as alice, CodeMode(registry) as bob:
+        with tracer.start_as_current_span("agent.alice") as alice_turn:
+            parked = await run_cell(
+                alice,
+                '// @exec: {"yield_time_ms": 100}\n'
+                "await tools.wait_for_gate({}); text(await tools.whoami({name: 'alice'}))",
+            )
+        assert not parked.texts
+        with tracer.start_as_current_span("agent.bob") as bob_turn:
+            done = await run_cell(bob, "text(await tools.whoami({name: 'bob'}))")
+        assert done.texts == ["bob"]
+        gate.set()
+        with tracer.start_as_current_span("agent.alice.wait"):
+            await alice.handle_wait('{"cell_id": "1", "yield_time_ms": 10000}')
+    finished = exporter.get_finished_spans()
+    cells = {span.context.span_id: span for span in finished if span.name == "codemode.cell"}
+    calls = [span for span in finished if span.name == "codemode.tool_call"]
+    assert len(cells) == 2 and len(calls) == 3
+    per_trace: dict[int, list[str]] = {}
+    for call in calls:
+        assert call.parent is not None and call.parent.span_id in cells, call.attributes
+        assert cells[call.parent.span_id].context.trace_id == call.context.trace_id
+        tool = str((call.attributes or {}).get("codemode.tool"))
+        per_trace.setdefault(call.context.trace_id, []).append(tool)
+    assert sorted(per_trace[alice_turn.get_span_context().trace_id]) == ["wait_for_gate", "whoami"]
+    assert per_trace[bob_turn.get_span_context().trace_id] == ["whoami"]
+    assert all(
+        (span.attributes or {}).get("codemode.outcome") == "completed" for span in cells.values()
+    )

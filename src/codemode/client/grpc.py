@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import logging
 import os
@@ -80,6 +81,8 @@ from codemode.session import (
     CodeModeSessionDelegate,
     CodeModeSessionProvider,
     StartedCell,
+    cell_context,
+    run_in,
     serve_callback,
 )
 
@@ -220,6 +223,8 @@ class _Execution:
     abandoned: bool = False
     notifications: int = 0
     invocations: set[str] = field(default_factory=set)
+    #: The execute's context: the cell's callbacks run in it (``session.cell_context``).
+    context: contextvars.Context | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -462,7 +467,7 @@ class _Binding:
             _tool_key(tool.tool_name.name, tool.tool_name.namespace): CodeModeToolKind(tool.kind)
             for tool in request.enabled_tools
         }
-        record = _Execution(execution_id, request.tool_call_id, tools)
+        record = _Execution(execution_id, request.tool_call_id, tools, context=cell_context())
         self._executions[execution_id] = record  # before sending: callbacks may overtake started
         call = self._stub.Execute(proto, metadata=self._metadata)
         yielding = self._yield_early(early_yield, execution_id=execution_id)
@@ -765,7 +770,9 @@ class _Binding:
         if self._cells.get(cell_id) is record:
             del self._cells[cell_id]
         try:
-            self._delegate.cell_closed(CellId(self._public(cell_id)))
+            run_in(
+                record.context, partial(self._delegate.cell_closed, CellId(self._public(cell_id)))
+            )
         except Exception:
             logger.exception("cell_closed(%s) failed", cell_id)
 
@@ -860,7 +867,10 @@ class _Binding:
             call_id, CellId(self._public(record.cell_id or "")), notification.text, token
         )
         task = serve_callback(
-            call, partial(self._notified, notification_id, callback), notification=True
+            call,
+            partial(self._notified, notification_id, callback),
+            notification=True,
+            context=record.context,
         )
         if task is not None:
             self._keep(task)
@@ -980,6 +990,7 @@ class _Binding:
         task = serve_callback(
             self._delegate.invoke_tool(invocation, token),
             partial(self._invoked, invocation_id, callback),
+            context=record.context,
         )
         if task is not None:
             callback.task = task

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -44,6 +45,8 @@ from codemode.session import (
     CodeModeSessionDelegate,
     NoopCodeModeSessionDelegate,
     StartedCell,
+    cell_context,
+    run_in,
     serve_callback,
 )
 from codemode.transports.base import FrameTransport, describe
@@ -91,6 +94,10 @@ class V1ClientConnection:
         self._delegates: dict[str, CodeModeSessionDelegate] = {}
         self._sessions: dict[str, RemoteSession] = {}
         self._tokens: dict[int, CancellationToken] = {}
+        #: The context of each execute (by request id) until its cell is admitted, then of each
+        #: cell until it closes: its callbacks run in it (``session.cell_context``).
+        self._execute_contexts: dict[int, contextvars.Context] = {}
+        self._cell_contexts: dict[tuple[str, CellId], contextvars.Context] = {}
         # Callback tasks by delegate id, held until they settle (the loop keeps weak references).
         self._callback_tasks: dict[int, asyncio.Task[None]] = {}
         self._reader: asyncio.Task[None] | None = None
@@ -228,9 +235,13 @@ class V1ClientConnection:
     async def _execute(self, session: RemoteSession, request: ExecuteRequest) -> StartedCell:
         session_id = session.session_id
         request_id = self._start(lambda: self._protocol.execute(session_id, request))
+        self._execute_contexts[request_id] = cell_context()
         # A cancellation racing a just-arrived execution/started makes the machine cancel on
         # the wire and terminate the admitted cell (§9.3).
-        cell_id, initial = await self._answer(request_id)
+        try:
+            cell_id, initial = await self._answer(request_id)
+        finally:
+            self._execute_contexts.pop(request_id, None)
 
         def abandon() -> None:
             self._schedule(self._abandon, session_id, cell_id, request_id)
@@ -323,6 +334,9 @@ class V1ClientConnection:
         elif isinstance(event, ev.CellClosed):
             self._cell_closed(event.session_id, event.cell_id)
         elif isinstance(event, ev.CellStarted):
+            context = self._execute_contexts.pop(event.request_id, None)
+            if context is not None:
+                self._cell_contexts[(event.session_id, event.cell_id)] = context
             future = futures.pop(event.request_id, None)
             initial: asyncio.Future[RuntimeResponse] = self._loop.create_future()
             futures[event.request_id] = initial
@@ -407,14 +421,17 @@ class V1ClientConnection:
         self._tokens[delegate_id] = token
         callback = event.callback
         if isinstance(callback, ev.NotificationCallback):
-            call = delegate.notify(callback.call_id, callback.cell_id, callback.text, token)
+            cell_id = callback.cell_id
+            call = delegate.notify(callback.call_id, cell_id, callback.text, token)
         else:
+            cell_id = callback.invocation.cell_id
             call = delegate.invoke_tool(callback.invocation, token)
 
         task = serve_callback(
             call,
             partial(self._settle, delegate_id),
             notification=isinstance(callback, ev.NotificationCallback),
+            context=self._cell_contexts.get((event.session_id, cell_id)),
         )
         if task is not None:
             self._callback_tasks[delegate_id] = task
@@ -427,9 +444,10 @@ class V1ClientConnection:
 
     def _cell_closed(self, session_id: str, cell_id: CellId) -> None:
         delegate = self._delegates.get(session_id)
+        context = self._cell_contexts.pop((session_id, cell_id), None)
         if delegate is not None:
             try:
-                delegate.cell_closed(cell_id)
+                run_in(context, partial(delegate.cell_closed, cell_id))
             except Exception:
                 logger.exception("cell_closed(%s) failed", cell_id)
         session = self._sessions.get(session_id)

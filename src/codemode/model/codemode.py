@@ -254,7 +254,7 @@ class CodeMode:
             await handler.session.shutdown()
         if handler is not None:
             for cell_id in handler.live_cells:
-                self.registry.cell_spans.finish(cell_id, "terminated")
+                handler.finish_span(cell_id, "terminated")
         if self._owned_provider is not None:
             await self._owned_provider.aclose()
 

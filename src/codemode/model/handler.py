@@ -17,7 +17,7 @@ from codemode.errors import CodeModeError
 from codemode.model.exec_tool import parse_wait_arguments
 from codemode.model.positions import in_source_lines, outcome_in_source_lines
 from codemode.model.render import RenderedOutput, render_outcome, render_response
-from codemode.model.tracing import CellSpans, outcome_of
+from codemode.model.tracing import CellSpan, CellSpans, outcome_of
 from codemode.protocol.pragma import parse_exec_source
 from codemode.protocol.surrogates import well_formed
 from codemode.protocol.types import (
@@ -80,6 +80,8 @@ class CodeModeToolHandler:
     ) -> None:
         self._session = session
         self._spans = cell_spans or CellSpans()
+        # The open spans of this handler's cells (cell ids are unique within its session only).
+        self._cell_spans: dict[CellId, CellSpan] = {}
         self._enabled_tools = enabled_tools
         self._clock = clock
         # Cells started here that yielded and have not ended -> the exec call id that started them.
@@ -109,6 +111,19 @@ class CodeModeToolHandler:
             self._live.pop(cell_id, None)
             self._removed.pop(cell_id, None)
 
+    def finish_span(self, cell_id: CellId, outcome: str) -> None:
+        """End the span of this handler's cell ``cell_id`` (if tracing, and open) with
+        ``outcome``."""
+        span = self._cell_spans.pop(cell_id, None)
+        if span is not None:
+            span.finish(outcome)
+
+    def _fail_span(self, span: CellSpan | None, message: str, cell_id: CellId | None) -> None:
+        if cell_id is not None:
+            self._cell_spans.pop(cell_id, None)
+        if span is not None:
+            span.fail(message)
+
     def _tools(self) -> list[ToolDefinition]:
         tools = self._enabled_tools
         return list(tools() if callable(tools) else tools)
@@ -130,18 +145,21 @@ class CodeModeToolHandler:
                 yield_time_ms=parsed.yield_time_ms,
                 max_output_tokens=parsed.max_output_tokens,
             )
-            cell = await self._session.execute(request)
+            with self._spans.executing(span):
+                cell = await self._session.execute(request)
             cell_id = cell.cell_id
-            self._spans.bind(cell_id, span)
+            if span is not None:
+                span.bind(cell_id)
+                self._cell_spans[cell_id] = span
             response = await cell.initial_response()
         except CodeModeError as error:
-            self._spans.fail(span, error.message, cell_id)
+            self._fail_span(span, error.message, cell_id)
             return _failure(error.message)
         except BaseException:
-            self._spans.fail(span, "cancelled", cell_id)
+            self._fail_span(span, "cancelled", cell_id)
             raise
         if not isinstance(response, Yielded):
-            self._spans.finish(response.cell_id, outcome_of(response))
+            self.finish_span(response.cell_id, outcome_of(response))
         self._track_initial(call_id, response, parsed.removed_lines)
         response = in_source_lines(response, parsed.removed_lines)
         return render_response(response, self._clock() - started, parsed.max_output_tokens)
@@ -167,9 +185,9 @@ class CodeModeToolHandler:
         except CodeModeError as error:
             return _failure(error.message)
         if isinstance(outcome, MissingCell):
-            self._spans.finish(cell_id, "missing")
+            self.finish_span(cell_id, "missing")
         elif not isinstance(outcome.response, Yielded):
-            self._spans.finish(cell_id, outcome_of(outcome.response))
+            self.finish_span(cell_id, outcome_of(outcome.response))
         outcome = outcome_in_source_lines(outcome, self._removed.get(cell_id, 0))
         self._track_outcome(cell_id, outcome)
         return render_outcome(outcome, self._clock() - started, parsed.effective_max_tokens)

@@ -12,21 +12,23 @@ With ``opentelemetry-api`` installed, the tracer ``codemode`` records:
 * ``codemode.wait``: one span per ``wait`` call.
 
 Without the package nothing is imported or recorded; nor while no tracer provider is set (the
-API alone records nothing, and its no-op spans would still cost a nested call several µs). Spans are keyed by cell id within one :class:`CellSpans`, shared
-by the handler that starts cells and the registry that serves their calls.
+API alone records nothing, and its no-op spans would still cost a nested call several µs). A
+nested call finds its cell's span in the context it runs in: every carrier runs a cell's callbacks
+in the context of the ``execute`` that started it (``codemode.session.cell_context``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import os
 from collections.abc import Iterator
 from typing import Any, Final
 
 from codemode.protocol.types import CellId, MissingCell, Result, RuntimeResponse, Terminated
 
-__all__ = ["CellSpans", "enabled"]
+__all__ = ["CellSpan", "CellSpans", "enabled"]
 
 #: How long after its closure a cell's span waits for the cell's outcome.
 CLOSE_GRACE: Final = 1.0
@@ -80,56 +82,81 @@ def outcome_of(response: RuntimeResponse | MissingCell) -> str:
     return "yielded"
 
 
+class CellSpan:
+    """One open ``codemode.cell`` span; ended once, by whichever comes first: its outcome, a
+    failure, or (after :data:`CLOSE_GRACE`) the cell's closure."""
+
+    __slots__ = ("ended", "span")
+
+    def __init__(self, span: Any) -> None:
+        self.span = span
+        self.ended = False
+
+    def bind(self, cell_id: CellId) -> None:
+        """The span is ``cell_id``'s."""
+        self.span.set_attribute("codemode.cell_id", cell_id.value)
+
+    def finish(self, outcome: str) -> None:
+        """End the span (if it is still open) with ``outcome``."""
+        if not self.ended:
+            self.ended = True
+            self.span.set_attribute("codemode.outcome", outcome)
+            self.span.end()
+
+    def fail(self, message: str) -> None:
+        """End the span of an exec that failed before or while its cell ran."""
+        if self.ended:
+            return
+        from opentelemetry.trace import Status, StatusCode
+
+        self.ended = True
+        self.span.set_attribute("codemode.outcome", "error")
+        self.span.set_status(Status(StatusCode.ERROR, message))
+        self.span.end()
+
+
+#: The span of the cell whose code runs: set while its exec is admitted, so the cell's context
+#: (session.cell_context: its delegate callbacks run in it, on every carrier) carries it.
+_CURRENT_CELL: contextvars.ContextVar[CellSpan | None] = contextvars.ContextVar(
+    "codemode_cell_span", default=None
+)
+
+
 class CellSpans:
-    """The open ``codemode.cell`` spans, by cell id."""
+    """Starts cell spans and the spans of their nested calls and waits.
 
-    def __init__(self) -> None:
-        self._open: dict[CellId, Any] = {}
+    Holds no state: a nested call finds its cell's span in the context it runs in (that of the
+    cell's exec), so one registry may serve the cells of many sessions whose ids overlap.
+    """
 
-    def start_cell(self, call_id: str) -> Any:
+    def start_cell(self, call_id: str) -> CellSpan | None:
         """A new cell span (a child of the current span), or ``None`` when not tracing."""
         tracer = _get_tracer()
         if tracer is None:
             return None
-        return tracer.start_span("codemode.cell", attributes={"codemode.tool_call_id": call_id})
+        span = tracer.start_span("codemode.cell", attributes={"codemode.tool_call_id": call_id})
+        return CellSpan(span)
 
-    def bind(self, cell_id: CellId, span: Any) -> None:
-        """``span`` is ``cell_id``'s: its nested calls become its children."""
-        if span is not None:
-            span.set_attribute("codemode.cell_id", cell_id.value)
-            self._open[cell_id] = span
-
-    def fail(self, span: Any, message: str, cell_id: CellId | None = None) -> None:
-        """End a span whose exec failed before or while its cell ran."""
-        if span is None:
+    @contextlib.contextmanager
+    def executing(self, cell: CellSpan | None) -> Iterator[None]:
+        """Around the ``execute`` of ``cell``'s exec: its callbacks will run under it."""
+        if cell is None:
+            yield
             return
-        if cell_id is not None and self._open.get(cell_id) is span:
-            del self._open[cell_id]
-        from opentelemetry.trace import Status, StatusCode
-
-        span.set_attribute("codemode.outcome", "error")
-        span.set_status(Status(StatusCode.ERROR, message))
-        span.end()
+        token = _CURRENT_CELL.set(cell)
+        try:
+            yield
+        finally:
+            _CURRENT_CELL.reset(token)
 
     def closed(self, cell_id: CellId) -> None:
-        """The cell is gone. Its outcome usually reaches the handler just after (the closure
-        follows the delivery): the span ends with ``closed`` only if it has not by then."""
-        if cell_id in self._open:
+        """The cell whose context this runs in is gone. Its outcome usually reaches the handler
+        just after (the closure follows the delivery): the span ends with ``closed`` only if it
+        has not by then."""
+        cell = _CURRENT_CELL.get()
+        if cell is not None and not cell.ended:
             with contextlib.suppress(RuntimeError):  # no running loop: leave it to the handler
-                asyncio.get_running_loop().call_later(
-                    CLOSE_GRACE, self._finish_span, cell_id, self._open[cell_id], "closed"
-                )
-
-    def _finish_span(self, cell_id: CellId, span: Any, outcome: str) -> None:
-        if self._open.get(cell_id) is span:
-            self.finish(cell_id, outcome)
-
-    def finish(self, cell_id: CellId, outcome: str) -> None:
-        """End ``cell_id``'s span (if open) with ``outcome``."""
-        span = self._open.pop(cell_id, None)
-        if span is not None:
-            span.set_attribute("codemode.outcome", outcome)
-            span.end()
+                asyncio.get_running_loop().call_later(CLOSE_GRACE, cell.finish, "closed")
 
     @contextlib.contextmanager
     def tool_call(self, cell_id: CellId, tool: str) -> Iterator[None]:
@@ -140,8 +167,8 @@ class CellSpans:
             return
         from opentelemetry import trace
 
-        parent = self._open.get(cell_id)
-        context = None if parent is None else trace.set_span_in_context(parent)
+        cell = _CURRENT_CELL.get()
+        context = None if cell is None else trace.set_span_in_context(cell.span)
         attributes = {"codemode.tool": tool, "codemode.cell_id": cell_id.value}
         with tracer.start_as_current_span(
             "codemode.tool_call", context=context, attributes=attributes

@@ -42,7 +42,7 @@ from codemode.protocol.types import (
     Yielded,
 )
 from codemode.runtime.engine import NodeEngine
-from codemode.session import CancellationToken, serve_callback
+from codemode.session import CancellationToken, cell_context, run_in, serve_callback
 
 if TYPE_CHECKING:
     from codemode.runtime.session import LocalSession
@@ -165,6 +165,8 @@ class Cell:
         self._closed_event = asyncio.Event()
         self._began = time.monotonic()
         self._outcome = "closed"
+        #: Made in ``execute``: the context its delegate callbacks run in.
+        self._context = cell_context()
         if cells_logger.isEnabledFor(logging.DEBUG):
             cells_logger.debug(
                 "event=cell-start cell=%s call=%s tools=%d", cell_id, call_id, len(tools)
@@ -343,7 +345,9 @@ class Cell:
         )
 
         call = self._session.delegate.invoke_tool(invocation, token)
-        task = serve_callback(call, partial(self._settle_call, call_id, token))
+        task = serve_callback(
+            call, partial(self._settle_call, call_id, token), context=self._context
+        )
         if task is not None:  # an eagerly started tool may already have answered
             self._calls[call_id] = (task, token)
             self._session.hold_callback(task, size)
@@ -376,7 +380,7 @@ class Cell:
             return
         token = CancellationToken()
         call = self._session.delegate.notify(self._call_id, self.cell_id, text, token)
-        task = serve_callback(call, _log_undelivered, notification=True)
+        task = serve_callback(call, _log_undelivered, notification=True, context=self._context)
         if task is not None:
             self._notifications[task] = token
             self._session.hold_callback(task, len(text))
@@ -515,6 +519,6 @@ class Cell:
             )
         self._session.forget(self)
         try:
-            self._session.delegate.cell_closed(self.cell_id)
+            run_in(self._context, partial(self._session.delegate.cell_closed, self.cell_id))
         except Exception:
             logger.exception("cell_closed(%s) failed", self.cell_id)
