@@ -8,6 +8,7 @@ notifications routed to the registry's callback.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import re
 import threading
 import time
@@ -410,3 +411,35 @@ async def test_notifications_reach_the_registry_callback(
         ("call-notify", CellId("1"), '{"n":1}'),
         ("call-notify", CellId("1"), "7"),
     ]
+
+
+_USER: contextvars.ContextVar[str] = contextvars.ContextVar("_USER", default="nobody")
+
+
+async def test_sync_async_and_inline_tools_see_the_context_of_the_exec() -> None:
+    # The registry keeps what every carrier gives it: each call runs in (a copy of) the context
+    # of the execute that started the cell, also in its worker thread.
+    from codemode.model import CodeMode
+
+    registry = ToolRegistry()
+
+    @registry.tool
+    def in_thread() -> str:
+        return _USER.get()
+
+    @registry.tool
+    async def in_loop() -> str:
+        return _USER.get()
+
+    async with CodeMode(registry) as code_mode:
+        await code_mode.start()  # the session (and its engine) opened by another "user"
+
+        async def as_user(name: str) -> str:
+            _USER.set(name)
+            output = await code_mode.handle_exec(
+                "call", "text(await tools.in_thread({}) + '/' + await tools.in_loop({}))"
+            )
+            return str(output)
+
+        results = await asyncio.gather(as_user("alice"), as_user("bob"))
+    assert "alice/alice" in results[0] and "bob/bob" in results[1], results
