@@ -11,32 +11,24 @@ specification chose otherwise on purpose (each reason also in ``docs/interop.md`
 from __future__ import annotations
 
 import asyncio
-import json
-import re
-import struct
-from dataclasses import dataclass
 from typing import Any, Final
 
 import pytest
 
 from tests.host import raw
-from tests.host.raw import ECHO, HELLO
+from tests.host.raw import ECHO, HELLO, Step
 from tests.upstream import DEFAULT_VERSION, LATEST_VERSION, unavailable_reason, upstream_host
-
-# ("send", message or raw payload bytes) | ("together", [those]) | ("sleep", seconds)
-Step = tuple[str, Any]
-
-_TIMING: Final = re.compile(r'"(code_mode_host_duration_ns|result_buffered_for_ns)":\d+')
 
 
 def send(message: dict[str, Any] | bytes) -> Step:
-    return ("send", message)
+    """A frame of ``message`` (or of payload bytes as they are)."""
+    return ("send", raw.frame(message))
 
 
 def together(*steps: Step) -> Step:
     """The frames of several ``send`` steps in one write (the host reads them at once)."""
-    assert all(kind == "send" for kind, _ in steps)
-    return ("together", [value for _, value in steps])
+    assert all(step[0] == "send" for step in steps)
+    return ("send", b"".join(step[1] for step in steps))
 
 
 def pause(seconds: float) -> Step:
@@ -296,57 +288,8 @@ RELEASE_DIFFERENCES: Final[dict[str, dict[str, str]]] = {
 
 #: Cases run this many at a time (one after the other they took ~30 s, mostly pauses).
 CONCURRENT_CASES: Final = 4
-
-
-@dataclass
-class Exchange:
-    frames: list[str]
-    status: int | None
-
-
-def frame(message: dict[str, Any] | bytes) -> bytes:
-    payload = (
-        message
-        if isinstance(message, bytes)
-        else json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode()
-    )
-    return struct.pack("<I", len(payload)) + payload
-
-
-async def exchange(command: list[str], script: list[Step]) -> Exchange:
-    """Run ``script`` against a fresh host: what it wrote (timing masked) and its exit status."""
-    process = await asyncio.create_subprocess_exec(
-        *command,
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
-    assert process.stdin is not None and process.stdout is not None
-    try:
-        for kind, value in script:
-            if kind == "sleep":
-                await asyncio.sleep(value)
-                continue
-            try:
-                values = value if kind == "together" else [value]
-                process.stdin.write(b"".join(frame(item) for item in values))
-                await process.stdin.drain()
-            except (BrokenPipeError, ConnectionResetError):
-                break  # the host ended the connection: what it wrote is the answer
-        await asyncio.sleep(0.3)
-        process.stdin.close()
-        output = await asyncio.wait_for(process.stdout.read(), 20)
-        status = await asyncio.wait_for(process.wait(), 20)
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-    frames = []
-    while len(output) >= 4:
-        (size,) = struct.unpack("<I", output[:4])
-        frames.append(_TIMING.sub(r'"\1":0', output[4 : 4 + size].decode()))
-        output = output[4 + size :]
-    return Exchange(frames, status)
+#: After a script, how long a host has to answer before its stdin is closed.
+LINGER: Final = 0.3
 
 
 @pytest.mark.timeout(240)
@@ -359,10 +302,11 @@ async def test_hosts_answer_the_same_frames(version: str) -> None:
     expected = {**DIFFERENCES, **RELEASE_DIFFERENCES[version]}
     gate = asyncio.Semaphore(CONCURRENT_CASES)
 
-    async def both(script: list[Step]) -> tuple[Exchange, Exchange]:
+    async def both(script: list[Step]) -> tuple[raw.Exchange, raw.Exchange]:
         async with gate:
             mine, theirs = await asyncio.gather(
-                exchange(raw.our_host(version), script), exchange(theirs_command, script)
+                raw.exchange(raw.our_host(version), script, linger=LINGER),
+                raw.exchange(theirs_command, script, linger=LINGER),
             )
             return mine, theirs
 

@@ -11,25 +11,16 @@ status must be the same. What the fuzz found and left is in ``docs/interop.md``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import re
 import sys
-from dataclasses import dataclass
 from typing import Any, Final
 
 import pytest
 
 from tests.host import raw
-from tests.host.raw import ECHO, HELLO
+from tests.host.raw import ECHO, HELLO, Step
 from tests.upstream import DEFAULT_VERSION, LATEST_VERSION, unavailable_reason, upstream_host
-from tests.wire import FrameReader, frame
+from tests.wire import frame
 
-# ("send", bytes) | ("expect", number of frames) | ("end",): the host ends the connection.
-Step = tuple[Any, ...]
-
-_TIMING: Final = re.compile(rb'"(code_mode_host_duration_ns|result_buffered_for_ns)":\d+')
-_READ: Final = 15.0
-_QUIET: Final = 3.0  # no frame for so long: a connection that should have ended did not
 BLOCKED: Final = "await new Promise(() => {})"
 TOOL: Final = "const r = await tools.echo({}); text(typeof r)"
 
@@ -158,52 +149,6 @@ SCRIPTS: Final = {
 }
 
 
-@dataclass
-class Exchange:
-    frames: list[bytes]
-    status: int | None
-
-
-async def exchange(command: list[str], script: list[Step]) -> Exchange:
-    """Run ``script`` against a fresh host: what it wrote (timing masked) and its exit status."""
-    process = await asyncio.create_subprocess_exec(
-        *command,
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
-    assert process.stdin is not None and process.stdout is not None
-    reader = FrameReader(process.stdout)
-    frames: list[bytes] = []
-    try:
-        for step in script:
-            if step[0] == "send":
-                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                    process.stdin.write(step[1])
-                    await process.stdin.drain()
-            elif step[0] == "expect":
-                for _ in range(step[1]):
-                    payload = await reader.read(_READ)
-                    if payload is None:
-                        break
-                    frames.append(payload)
-            else:  # the host should end the connection: read to the end of its stdout
-                try:
-                    while (payload := await reader.read(_QUIET)) is not None:
-                        frames.append(payload)
-                except TimeoutError:
-                    frames.append(b"(the connection stayed open)")
-        process.stdin.close()
-        while (payload := await reader.read(_READ)) is not None:
-            frames.append(payload)
-        status = await asyncio.wait_for(process.wait(), _READ)
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-    return Exchange([_TIMING.sub(rb'"\1":0', payload) for payload in frames], status)
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("version", [DEFAULT_VERSION, LATEST_VERSION])
 async def test_hosts_answer_the_same_frames(version: str) -> None:
@@ -214,7 +159,7 @@ async def test_hosts_answer_the_same_frames(version: str) -> None:
     names = list(SCRIPTS)
     results = await asyncio.gather(
         *(
-            exchange(command, SCRIPTS[name])
+            raw.exchange(command, SCRIPTS[name])
             for name in names
             for command in (raw.our_host(version), theirs)
         )
