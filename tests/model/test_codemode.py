@@ -577,3 +577,16 @@ async def test_no_pragma_leaves_the_defaults_to_the_runtime(
             "call-1", "text(await tools.math__mean({values: [3]}))", registry.definitions()
         )
     ]
+
+
+async def test_a_codemode_of_its_own_runtime_runs_one_engine_process() -> None:
+    # Guards: the runtime a CodeMode makes for its one session kept a second engine process warm
+    # for a session that never comes (a server with a CodeMode per conversation ran two each).
+    from codemode.runtime.session import REFILL_DELAY
+
+    async with CodeMode([]) as code_mode:
+        await code_mode.handle_exec("call-1", "text(1)")
+        await asyncio.sleep(REFILL_DELAY + 0.3)
+        provider = code_mode._owned_provider
+        assert provider is not None
+        assert provider.pool.engines == 1

@@ -224,8 +224,10 @@ class CodeMode:
     async def _open_session(self) -> CodeModeSession:
         provider = self._provider
         if provider is None:
+            # Its one session takes the one engine it starts: no spare is kept warm beside it
+            # (a server with a CodeMode per conversation would run two processes for each).
             provider = self._owned_provider = LocalSessionProvider(
-                store_load=self._store_load, console=self._console
+                store_load=self._store_load, console=self._console, warm_engines=0
             )
         try:
             return await provider.create_session_with_limits(self.registry, self._limits)
