@@ -278,3 +278,42 @@ def test_a_cache_directory_that_cannot_be_made_is_an_error_not_a_traceback(
     assert done.returncode == 1
     assert b"Traceback" not in done.stderr, done.stderr
     assert b"Not a directory" in done.stdout + done.stderr
+
+
+def test_short_yields_on_a_terminal_print_progress_at_most_once_a_second() -> None:
+    # Guards: with --yield-ms 1 every observation printed a "still running" line (a thousand a
+    # second on a terminal).
+    import pty
+    import threading
+
+    primary, secondary = pty.openpty()
+    written = bytearray()
+
+    def drain() -> None:  # the terminal's reader: a full pty would block the run's stderr
+        while True:
+            try:
+                chunk = os.read(primary, 65536)
+            except OSError:  # the other end is closed: all was read
+                return
+            if not chunk:
+                return
+            written.extend(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        done = subprocess.run(
+            [*CODEMODE, "run", "-", "--yield-ms", "1"],
+            input=b"await new Promise(r => setTimeout(r, 1500)); text('ok')",
+            stdout=subprocess.PIPE,
+            stderr=secondary,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(secondary)
+        reader.join(10)
+        os.close(primary)
+    assert done.returncode == 0, bytes(written)
+    assert b"\nok\n" in done.stdout
+    assert 1 <= written.count(b"still running") <= 2, bytes(written[-500:])

@@ -123,6 +123,8 @@ async def _start_mcp_servers(
                 raise CodeModeError(f"MCP server {name}: {error}") from None
 
 
+#: At most one "still running" line on a terminal this often (seconds), however short the yields.
+PROGRESS_INTERVAL: Final = 1.0
 #: The longest source ``run`` reads (bytes): what one V1 frame carries.
 MAX_SOURCE_BYTES: Final = MAX_FRAME_BYTES
 
@@ -278,6 +280,7 @@ async def _run_cell(
         max_tokens = parsed.max_output_tokens
     progress = sys.stderr.isatty() and not args.json
     started_at = time.monotonic()
+    progress_at = started_at
     deadline = None if args.timeout is None else started_at + args.timeout
 
     def capped(ms: int) -> int:
@@ -310,7 +313,8 @@ async def _run_cell(
             collected.extend(response.content_items)
             if not args.json and (response.content_items or not isinstance(response, Yielded)):
                 _print_rendered(response, now - observed_at, max_tokens)
-            elif progress:
+            elif progress and now - progress_at >= PROGRESS_INTERVAL:
+                progress_at = now
                 print(
                     f"… cell {cell.cell_id} still running ({now - started_at:.1f} s)",
                     file=sys.stderr,
