@@ -93,3 +93,55 @@ def test_non_finite_number(value: Any, found: float | None) -> None:
 
     assert non_finite_number(value) == found
     assert non_finite_number([float("nan")]) != non_finite_number([float("nan")])  # NaN is found
+
+
+def _walk_for_non_finite(value: Any) -> bool:
+    """The plain definition: is any float inside ``value`` a NaN or an infinity?"""
+    if type(value) is float:
+        return value != value or value in (float("inf"), float("-inf"))
+    if isinstance(value, dict):
+        return any(_walk_for_non_finite(item) for item in value.values())
+    if isinstance(value, list | tuple):
+        return any(_walk_for_non_finite(item) for item in value)
+    return False
+
+
+any_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(),
+    lambda children: (
+        st.lists(children, max_size=6) | st.dictionaries(st.text(max_size=8), children, max_size=6)
+    ),
+    max_leaves=40,
+)
+
+
+@given(any_values)
+def test_non_finite_number_finds_exactly_the_nan_and_infinities(value: Any) -> None:
+    # Guards the fast screen (a search over the value packed as MessagePack): no non-finite
+    # float is missed, and a false alarm never reports one that is not there.
+    from codemode.protocol.strict_json import non_finite_number
+
+    found = non_finite_number(value)
+    assert (found is not None) == _walk_for_non_finite(value)
+    if found is not None:
+        assert found != found or found in (float("inf"), float("-inf"))
+
+
+#: Values whose packed bytes hold 0xcb then a non-finite float's first two bytes, without one.
+FALSE_ALARMS = [
+    "\x7f\U0001f600" + "x" * 198,  # 203 bytes of UTF-8: its length byte is 0xcb
+    [0xCB7FF000],  # an integer's bytes
+]
+
+
+@pytest.mark.parametrize("value", FALSE_ALARMS)
+def test_a_false_alarm_of_the_screen_reports_no_number(value: Any) -> None:
+    from codemode.protocol import strict_json
+
+    packed = strict_json._MSGPACK.encode(value)
+    assert strict_json._NON_FINITE_FLOAT64.search(packed) is not None  # the screen fires
+    assert strict_json.non_finite_number(value) is None  # and the walk clears it

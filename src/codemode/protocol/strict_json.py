@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any, Final
 
 import jiter
@@ -35,6 +36,14 @@ LARGE_PAYLOAD_BYTES: Final = 256 * 1024
 
 _ANY_DECODER: Final = msgspec.json.Decoder()
 _ENCODER: Final = msgspec.json.Encoder()
+_MSGPACK: Final = msgspec.msgpack.Encoder()
+# msgspec writes every float as a MessagePack float 64: 0xcb, then its 8 bytes big-endian. A NaN or
+# an infinity has every exponent bit set: its first byte is 0x7f or 0xff, its second 0xf0 or
+# above. So this finds every non-finite float of a packed value. It may also match elsewhere (an
+# integer's or another float's bytes, a string length of 203 before a string that starts so;
+# never inside UTF-8 text, where 0xcb must be followed by 0x80-0xbf): a rare false alarm, which the
+# exact walk then clears.
+_NON_FINITE_FLOAT64: Final = re.compile(rb"\xcb[\x7f\xff][\xf0-\xff]")
 
 Buffer = bytes | bytearray | memoryview
 
@@ -107,6 +116,13 @@ def non_finite_number(value: Any) -> float | None:
 
     Callers that already encoded ``value`` only need this when the encoding contains ``null``.
     """
+    try:
+        packed = _MSGPACK.encode(value)
+    except (TypeError, ValueError, OverflowError):
+        pass  # not encodable as it is: the walk below decides
+    else:
+        if _NON_FINITE_FLOAT64.search(packed) is None:
+            return None  # the common case, at C speed: no walk over a large value in Python
     stack = [value]
     while stack:
         item = stack.pop()
