@@ -2249,6 +2249,29 @@ def test_held_refusals_leave_when_the_glue_releases_them() -> None:
     assert sent(state) == [ok(1, SessionReady(S1))]
 
 
+def test_a_refusal_released_early_still_waits_for_an_execute_not_yet_admitted() -> None:
+    # Guards: an execute whose session's engine was still starting (not admitted when the glue
+    # released the refusals) was overtaken by a refusal read after it; the upstream host, which
+    # admits at once, answers them in arrival order.
+    state = host(ordered_refusals=True)
+    opened(state)
+    for message in (wait(2, "7"), execute(3), open_(4)):
+        state.receive(message)
+    out(state)
+    state.release_refusals()
+    assert sent(state) == []  # the open's refusal waits behind the execute
+    assert state.holds_refusals
+    assert state.execution_started(3, CellId("1"))
+    assert sent(state) == [
+        ok(3, ExecutionStarted("1")),
+        OperationResponse(4, WireError(f"code-mode session ID `{S1}` is already open")),
+    ]
+    # The wait before them was no reason to hold the refusal: it answers whenever it does.
+    state.wait_completed(2, MissingCell(Result(CellId("7"), [], "exec cell 7 not found")))
+    assert [type(message) for message in sent(state)] == [OperationResponse]
+    assert not state.holds_refusals
+
+
 def test_held_refusals_go_out_before_the_connection_ends() -> None:
     state = host(ordered_refusals=True)
     state.receive(open_(1))

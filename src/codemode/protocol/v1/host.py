@@ -353,8 +353,11 @@ class HostProtocol(Endpoint[wire.ClientToHost, wire.HostToClient, ev.HostEvent])
         place = self._batch_places.pop(request_id, None)
         if place is None:
             return
+        self._batch_answered[place] = True
+        self._advance()
+
+    def _advance(self) -> None:
         answered = self._batch_answered
-        answered[place] = True
         low = self._batch_low
         while low < len(answered) and answered[low]:
             low += 1
@@ -362,17 +365,25 @@ class HostProtocol(Endpoint[wire.ClientToHost, wire.HostToClient, ev.HostEvent])
         held = self._held
         while held and held[0][0] <= low:
             self._write(held.popleft()[1])
+        if low == len(answered) and not held:  # nothing waits: a new batch
+            self._batch_places.clear()
+            self._batch_answered = []
+            self._batch_low = 0
 
     def release_refusals(self) -> None:
-        """Write the held refusals now and start a new batch (``ordered_refusals``; the glue
-        calls this once the operations that arrived with them had their first chance to
-        answer)."""
-        held, self._held = self._held, deque()
-        self._batch_places.clear()
-        self._batch_answered = []
-        self._batch_low = 0
-        for _, frame in held:
-            self._write(frame)
+        """Write the held refusals (``ordered_refusals``): the glue calls this once the
+        operations that arrived with them had their first chance to answer. Those that did not
+        may take long (a wait's outcome): refusals stop waiting for them, except for an execute
+        not yet admitted — its session's engine is starting, and its ``execution/started`` comes
+        soon, before the refusals that arrived after it (as the upstream host, which admits at
+        once, answers them)."""
+        answered = self._batch_answered
+        for request_id, place in list(self._batch_places.items()):
+            request = self._requests.get(request_id)
+            if request is None or request.kind is not _Kind.EXECUTE or request.admitted:
+                del self._batch_places[request_id]
+                answered[place] = True
+        self._advance()
 
     @property
     def holds_refusals(self) -> bool:
