@@ -48,6 +48,7 @@ __all__ = [
     "NoopCodeModeSessionDelegate",
     "StartedCell",
     "cell_context",
+    "current_cell",
     "run_in",
     "serve_callback",
 ]
@@ -323,9 +324,23 @@ def cell_context() -> contextvars.Context:
 
     Every carrier takes it when ``execute`` is called, so a tool (and ``notify``,
     ``cell_closed``) sees the context variables of the code that ran the cell — a request's user,
-    its trace span — never those of whoever happened to start the engine or the connection.
+    its trace span — never those of whoever happened to start the engine or the connection. It
+    also names the cell: :func:`current_cell` is the same object in every callback of the cell.
     """
-    return contextvars.copy_context()
+    context = contextvars.copy_context()
+    context.run(_CELL.set, object())
+    return context
+
+
+_CELL: Final[contextvars.ContextVar[object | None]] = contextvars.ContextVar(
+    "codemode_cell", default=None
+)
+
+
+def current_cell() -> object | None:
+    """An object that stands for the cell whose callback runs (the same in all its callbacks, on
+    every carrier, and distinct between any two cells); ``None`` outside a cell's callback."""
+    return _CELL.get()
 
 
 def run_in(context: contextvars.Context | None, function: Callable[[], object]) -> None:

@@ -330,3 +330,49 @@ async def test_a_cell_flooding_a_slow_sync_tool_does_not_starve_another_sessions
     assert done == 400
     (seen,) = seen_when_b_ran
     assert seen < 200  # it ran among the first calls still to come, not after the 400
+
+
+@pytest.mark.timeout(90)
+async def test_a_cell_flooding_a_slow_sync_tool_over_a_host_does_not_starve_another_call() -> None:
+    # Guards: over a remote carrier every call arrives with a CellId object of its own, so each
+    # call was a lane of its own and the other session's call waited behind the whole backlog.
+    # A cell's calls now share the lane named by their cell's context, on every carrier.
+    import sys
+
+    from codemode.client import ProcessOwnedCodeModeSessionProvider
+
+    done = 0
+    seen_when_b_ran: list[int] = []
+    registry = ToolRegistry()
+
+    @registry.tool
+    def slow() -> None:
+        nonlocal done
+        threading.Event().wait(0.05)
+        done += 1
+
+    @registry.tool
+    def quick() -> None:
+        seen_when_b_ran.append(done)
+
+    flood = "await Promise.all(Array.from({length: 400}, () => tools.slow()));"
+    command = [sys.executable, "-m", "codemode", "host", "--stdio"]
+    provider = ProcessOwnedCodeModeSessionProvider(command)
+    async with (
+        provider,
+        CodeMode(registry, provider=provider) as a,
+        CodeMode(registry, provider=provider) as b,
+    ):
+        await a.start()
+        await b.start()
+        flooding = asyncio.create_task(
+            a.handle_exec("a", '// @exec: {"yield_time_ms": 60000}\n' + flood)
+        )
+        while done == 0:
+            await asyncio.sleep(0.01)
+        rendered = await asyncio.wait_for(b.handle_exec("b", "await tools.quick();"), 30)
+        assert rendered.success
+        await asyncio.wait_for(flooding, 60)
+    assert done == 400
+    (seen,) = seen_when_b_ran
+    assert seen < 200  # it ran among the first calls still to come, not after the 400

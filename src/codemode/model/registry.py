@@ -35,7 +35,7 @@ from codemode.protocol.types import (
     ToolDefinition,
     ToolName,
 )
-from codemode.session import CancellationToken, CodeModeSessionDelegate
+from codemode.session import CancellationToken, CodeModeSessionDelegate, current_cell
 
 __all__ = [
     "BeforeCall",
@@ -950,11 +950,12 @@ def _carried(error: CodeModeError) -> CodeModeError:
     return error if message is error.message else CodeModeError(message)
 
 
-def _lane(cell_id: CellId) -> int:
-    """The worker-pool lane of a cell's sync calls: cells take turns for the threads. Keyed by
-    the cell's id object (one per cell in a session), so that the cells `1` of two sessions
-    are two lanes."""
-    return id(cell_id)
+def _lane(cell_id: CellId) -> object:
+    """The worker-pool lane of a cell's sync calls: cells take turns for the threads. Every
+    carrier runs a cell's calls in its cell's context, which names it (``current_cell``): the
+    cells `1` of two sessions are two lanes, and a cell's calls share one over any carrier."""
+    cell = current_cell()
+    return id(cell_id) if cell is None else cell
 
 
 def _checked_timeout(timeout: float | None) -> float | None:
