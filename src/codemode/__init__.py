@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from codemode.errors import (
     CodeModeError,
     ConnectionClosed,
+    EngineLimitError,
     FrameError,
     LocalProtocolError,
     ProtocolError,
@@ -84,6 +85,7 @@ __all__ = [
     "CodeModeToolKind",
     "ConnectionClosed",
     "ContentItem",
+    "EngineLimitError",
     "ExecuteRequest",
     "FrameError",
     "ImageDetail",
