@@ -4,12 +4,16 @@ a blocked tool holds up nothing else, cancellation, failures, contextvars."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
+import sys
 import threading
+from collections.abc import AsyncIterator
 
 import pytest
 
+from codemode.client import ProcessOwnedCodeModeSessionProvider
 from codemode.errors import CodeModeError
 from codemode.model import CodeMode, ToolContext, ToolRegistry
 from codemode.model.worker_pool import WorkerPool
@@ -297,65 +301,15 @@ async def test_queued_lanes_take_turns_for_the_threads() -> None:
     assert pool.queued == 0
 
 
-@pytest.mark.timeout(60)
-async def test_a_cell_flooding_a_slow_sync_tool_does_not_starve_another_sessions_call() -> None:
-    # The worker threads are the process's: a cell's backlog of slow calls used to hold up
-    # every other session's sync calls until it had run through (minutes, for a long backlog).
-    done = 0
-    seen_when_b_ran: list[int] = []
-    registry = ToolRegistry()
-
-    @registry.tool
-    def slow() -> None:
-        nonlocal done
-        threading.Event().wait(0.05)
-        done += 1
-
-    @registry.tool
-    def quick() -> None:
-        seen_when_b_ran.append(done)
-
-    flood = "await Promise.all(Array.from({length: 400}, () => tools.slow()));"
-    async with CodeMode(registry) as a, CodeMode(registry) as b:
-        await a.start()
-        await b.start()
-        flooding = asyncio.create_task(
-            a.handle_exec("a", '// @exec: {"yield_time_ms": 60000}\n' + flood)
-        )
-        while done == 0:
-            await asyncio.sleep(0.01)
-        rendered = await asyncio.wait_for(b.handle_exec("b", "await tools.quick();"), 30)
-        assert rendered.success
-        await asyncio.wait_for(flooding, 50)
-    assert done == 400
-    (seen,) = seen_when_b_ran
-    assert seen < 200  # it ran among the first calls still to come, not after the 400
-
-
-@pytest.mark.timeout(90)
-async def test_a_cell_flooding_a_slow_sync_tool_over_a_host_does_not_starve_another_call() -> None:
-    # Guards: over a remote carrier every call arrives with a CellId object of its own, so each
-    # call was a lane of its own and the other session's call waited behind the whole backlog.
-    # A cell's calls now share the lane named by their cell's context, on every carrier.
-    import sys
-
-    from codemode.client import ProcessOwnedCodeModeSessionProvider
-
-    done = 0
-    seen_when_b_ran: list[int] = []
-    registry = ToolRegistry()
-
-    @registry.tool
-    def slow() -> None:
-        nonlocal done
-        threading.Event().wait(0.05)
-        done += 1
-
-    @registry.tool
-    def quick() -> None:
-        seen_when_b_ran.append(done)
-
-    flood = "await Promise.all(Array.from({length: 400}, () => tools.slow()));"
+@contextlib.asynccontextmanager
+async def two_sessions(
+    registry: ToolRegistry, carrier: str
+) -> AsyncIterator[tuple[CodeMode, CodeMode]]:
+    """Two ``CodeMode`` sessions served by ``registry``: embedded, or over one stdio host."""
+    if carrier == "embedded":
+        async with CodeMode(registry) as a, CodeMode(registry) as b:
+            yield a, b
+        return
     command = [sys.executable, "-m", "codemode", "host", "--stdio"]
     provider = ProcessOwnedCodeModeSessionProvider(command)
     async with (
@@ -363,6 +317,35 @@ async def test_a_cell_flooding_a_slow_sync_tool_over_a_host_does_not_starve_anot
         CodeMode(registry, provider=provider) as a,
         CodeMode(registry, provider=provider) as b,
     ):
+        yield a, b
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("carrier", ["embedded", "stdio"])
+async def test_a_cell_flooding_a_slow_sync_tool_does_not_starve_another_sessions_call(
+    carrier: str,
+) -> None:
+    # The worker threads are the process's: a cell's backlog of slow calls used to hold up
+    # every other session's sync calls until it had run through (minutes, for a long backlog).
+    # Over a remote carrier every call arrives with a CellId object of its own, so each call was
+    # a lane of its own and the other call waited behind the whole backlog: a cell's calls now
+    # share the lane named by their cell's context, on every carrier.
+    done = 0
+    seen_when_b_ran: list[int] = []
+    registry = ToolRegistry()
+
+    @registry.tool
+    def slow() -> None:
+        nonlocal done
+        threading.Event().wait(0.05)
+        done += 1
+
+    @registry.tool
+    def quick() -> None:
+        seen_when_b_ran.append(done)
+
+    flood = "await Promise.all(Array.from({length: 400}, () => tools.slow()));"
+    async with two_sessions(registry, carrier) as (a, b):
         await a.start()
         await b.start()
         flooding = asyncio.create_task(
