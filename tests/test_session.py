@@ -135,7 +135,7 @@ async def test_noop_delegate_waits_for_cancellation_then_fails() -> None:
     delegate = NoopCodeModeSessionDelegate()
     token = CancellationToken()
     call = CodeModeNestedToolCall(CELL, "tool-1", ToolName.plain("t"), CodeModeToolKind.FUNCTION)
-    task = asyncio.create_task(delegate.invoke_tool(call, token))
+    task = asyncio.ensure_future(delegate.invoke_tool(call, token))
     await asyncio.sleep(0.01)
     assert not task.done()
     token.cancel()
@@ -254,3 +254,38 @@ async def test_a_cancelled_callback_task_settles_as_cancelled() -> None:
     assert serve_callback(asyncio.sleep(0, None), done.append, notification=True) is not None
     await asyncio.sleep(0.01)
     assert done == [NotificationAccepted()]
+
+
+@pytest.mark.parametrize(
+    ("outcome", "expected"),
+    [
+        ("result", ToolReturned({"answer": 42})),
+        ("error", CallbackFailed("tool says no")),
+        ("crash", CallbackFailed("code-mode delegate task failed: bad")),
+        ("cancel", CallbackFailed("code-mode delegate task was cancelled")),
+    ],
+)
+async def test_a_future_is_settled_from_its_done_callback_in_the_callbacks_context(
+    outcome: str, expected: CallbackResult
+) -> None:
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[JSON] = loop.create_future()
+    settled: list[tuple[CallbackResult, str]] = []
+    context = contextvars.copy_context()
+    context.run(ACTIVE.set, "the cell's")
+    tasks = len(asyncio.all_tasks())
+    running = serve_callback(
+        future, lambda result: settled.append((result, ACTIVE.get())), context=context
+    )
+    assert running is future  # what the carrier cancels; no task of its own
+    assert len(asyncio.all_tasks()) == tasks
+    if outcome == "result":
+        future.set_result({"answer": 42})
+    elif outcome == "error":
+        future.set_exception(CodeModeError("tool says no"))
+    elif outcome == "crash":
+        future.set_exception(ValueError("bad"))
+    else:
+        running.cancel()
+    await asyncio.sleep(0)
+    assert settled == [(expected, "the cell's")]

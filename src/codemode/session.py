@@ -12,6 +12,7 @@ import contextvars
 from abc import ABC, abstractmethod
 from asyncio.tasks import _enter_task, _leave_task
 from collections.abc import Awaitable, Callable, Coroutine, Generator
+from functools import partial
 from typing import Any, Final, cast
 
 from codemode.errors import CodeModeError
@@ -108,25 +109,36 @@ class CodeModeSessionDelegate:
     The base class behaves like :class:`NoopCodeModeSessionDelegate`; override what you serve.
     """
 
-    async def invoke_tool(
+    def invoke_tool(
         self, invocation: CodeModeNestedToolCall, cancellation: CancellationToken
-    ) -> JSON:
+    ) -> Awaitable[JSON]:
         """Run a nested tool; the returned JSON resolves the JavaScript promise.
 
-        Raising :class:`CodeModeError` rejects the promise with its message.
+        Usually an ``async def``. Raising :class:`CodeModeError` rejects the promise with its
+        message. An override may also return an :class:`asyncio.Future` (say, one a dispatcher
+        of its own resolves): it is settled from its done callback, with no task per call.
         """
-        await cancellation.wait_cancelled()
-        raise CodeModeError(NESTED_TOOLS_UNAVAILABLE)
+        return _unavailable(cancellation)
 
-    async def notify(
+    def notify(
         self, call_id: str, cell_id: CellId, text: str, cancellation: CancellationToken
-    ) -> None:
-        """Deliver a ``notify(...)`` text; ``call_id`` is the execute's ``tool_call_id``."""
-        return
+    ) -> Awaitable[None]:
+        """Deliver a ``notify(...)`` text; ``call_id`` is the execute's ``tool_call_id``.
+        Usually an ``async def``; like :meth:`invoke_tool`, may return a future."""
+        return _accepted()
 
     def cell_closed(self, cell_id: CellId) -> None:
         """Release state held for ``cell_id``; called once per admitted cell. Must not block."""
         return
+
+
+async def _unavailable(cancellation: CancellationToken) -> JSON:
+    await cancellation.wait_cancelled()
+    raise CodeModeError(NESTED_TOOLS_UNAVAILABLE)
+
+
+async def _accepted() -> None:
+    return
 
 
 class NoopCodeModeSessionDelegate(CodeModeSessionDelegate):
@@ -296,23 +308,29 @@ class CodeModeSessionProvider(ABC):
 
 
 def serve_callback(
-    call: Coroutine[Any, Any, Any],
+    call: Awaitable[Any],
     settle: Callable[[CallbackResult], object],
     *,
     notification: bool = False,
     context: contextvars.Context | None = None,
-) -> asyncio.Task[None] | None:
+) -> asyncio.Future[Any] | None:
     """Run one delegate callback (``invoke_tool`` or ``notify``) and ``settle`` its result once.
 
     Every carrier serves callbacks through here, so a delegate fails the same way everywhere:
     its own text for a :class:`CodeModeError`, the D4 text for any other exception, the cancelled
     text if its task is cancelled. The callback runs in a copy of ``context`` (its cell's: see
-    :func:`cell_context`), else of the current one. Returns the running task, or ``None`` when
-    the callback already finished (where the loop starts tasks eagerly).
+    :func:`cell_context`), else of the current one. Returns what to cancel while it runs — its
+    task, or the future the delegate returned — or ``None`` when the callback already finished
+    (where the loop starts tasks eagerly).
     """
+    context = contextvars.copy_context() if context is None else context.copy()
+    if asyncio.isfuture(call):
+        # Nothing to run: the future's owner resolves it (the V1 host's delegate, whose calls
+        # are the client's to answer). No task, no coroutine per call.
+        call.add_done_callback(partial(_settle_future, settle, notification), context=context)
+        return call
     loop = asyncio.get_running_loop()
     coroutine = _serve(call, settle, notification)
-    context = contextvars.copy_context() if context is None else context.copy()
     if _EAGER_TASK_FACTORY is not None:
         task: asyncio.Task[None] = _EAGER_TASK_FACTORY(loop, coroutine, context=context)
         return None if task.done() else task
@@ -437,8 +455,19 @@ def _start_eagerly(
     return None if step.finished else task
 
 
+def _settle_future(
+    settle: Callable[[CallbackResult], object], notification: bool, future: asyncio.Future[Any]
+) -> None:
+    if future.cancelled():
+        settle(CallbackFailed(DELEGATE_TASK_CANCELLED))
+    elif (error := future.exception()) is not None:
+        settle(callback_failure(error))
+    else:
+        settle(NotificationAccepted() if notification else ToolReturned(future.result()))
+
+
 async def _serve(
-    call: Coroutine[Any, Any, Any], settle: Callable[[CallbackResult], object], notification: bool
+    call: Awaitable[Any], settle: Callable[[CallbackResult], object], notification: bool
 ) -> None:
     try:
         value = await call

@@ -1,14 +1,47 @@
-"""The V1 host's callback settlement: a client's answer wakes the delegate's task in the loop
-iteration that read it (``docs/decisions/0014-push-client.md``)."""
+"""The V1 host's callback settlement: a future of the client's answer that settles the nested
+call in the loop iteration that read the answer (``docs/decisions/0014-push-client.md``), with no
+task per call (``serve_callback`` settles a future from its done callback)."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import cast
 
 import pytest
 
+from codemode.errors import CodeModeError
 from codemode.host.v1 import _Settlement
-from codemode.protocol.delegation import CallbackFailed, ToolReturned
+from codemode.protocol.delegation import CallbackFailed, CallbackResult, ToolReturned
+from codemode.session import serve_callback
+
+
+async def test_served_as_a_delegate_callback_it_settles_at_once_without_a_task() -> None:
+    loop = asyncio.get_running_loop()
+    settlement = _Settlement(loop)
+    settled: list[CallbackResult] = []
+    running = serve_callback(settlement, settled.append)
+    assert running is cast(object, settlement)  # what a cell cancels while the client answers
+    order: list[str] = []
+
+    def answer() -> None:  # as the data_received of a pushing transport would
+        tasks_before = len(asyncio.all_tasks())
+        settlement.set_result(ToolReturned(7))
+        order.append(
+            f"after set_result: {settled}, tasks {len(asyncio.all_tasks()) - tasks_before}"
+        )
+
+    loop.call_soon(answer)
+    await asyncio.sleep(0)
+    assert order == ["after set_result: [ToolReturned(value=7)], tasks 0"]
+
+
+async def test_a_failed_callback_settles_with_the_client_text() -> None:
+    settlement = _Settlement(asyncio.get_running_loop())
+    settled: list[CallbackResult] = []
+    serve_callback(settlement, settled.append)
+    settlement.set_result(CallbackFailed("tool exploded"))  # inside this test's task: soon
+    await asyncio.sleep(0)
+    assert settled == [CallbackFailed("tool exploded")]
 
 
 async def test_resolved_from_a_loop_callback_the_task_continues_at_once() -> None:
@@ -30,7 +63,7 @@ async def test_resolved_from_a_loop_callback_the_task_continues_at_once() -> Non
 
     loop.call_soon(answer)
     await task
-    assert order == ["after set_result: [ToolReturned(value=7)]"]
+    assert order == ["after set_result: [7]"]
 
 
 async def test_resolved_inside_a_task_the_awaiting_task_continues_later() -> None:
@@ -42,18 +75,22 @@ async def test_resolved_inside_a_task_the_awaiting_task_continues_later() -> Non
 
     task = asyncio.ensure_future(delegate())
     await asyncio.sleep(0)
-    settlement.set_result(CallbackFailed("no"))  # this test's own task is running
+    settlement.set_result(ToolReturned("yes"))  # this test's own task is running
     assert seen == []
     await task
-    assert seen == [CallbackFailed("no")]
+    assert seen == ["yes"]
 
 
 async def test_a_settlement_already_resolved_is_not_awaited() -> None:
     settlement = _Settlement(asyncio.get_running_loop())
     settlement.set_result(ToolReturned(1))
     settlement.set_result(ToolReturned(2))  # the first result stays
-    assert await settlement == ToolReturned(1)
+    assert await settlement == 1
     assert settlement.done() and not settlement.cancelled()
+    failed = _Settlement(asyncio.get_running_loop())
+    failed.set_result(CallbackFailed("no"))
+    with pytest.raises(CodeModeError, match=r"^no$"):
+        await failed
 
 
 async def test_cancelling_the_awaiting_task_cancels_the_settlement() -> None:

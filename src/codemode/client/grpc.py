@@ -234,7 +234,7 @@ class _Callback:
     record: _Execution
     token: CancellationToken
     cancelled: bool = False
-    task: asyncio.Task[None] | None = None
+    task: asyncio.Future[Any] | None = None
 
 
 class _Binding:

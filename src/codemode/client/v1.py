@@ -99,7 +99,7 @@ class V1ClientConnection:
         self._execute_contexts: dict[int, contextvars.Context] = {}
         self._cell_contexts: dict[tuple[str, CellId], contextvars.Context] = {}
         # Callback tasks by delegate id, held until they settle (the loop keeps weak references).
-        self._callback_tasks: dict[int, asyncio.Task[None]] = {}
+        self._callback_tasks: dict[int, asyncio.Future[Any]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._handshake_replied: asyncio.Future[None] | None = None
         self._closer: asyncio.Task[None] | None = None

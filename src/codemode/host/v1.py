@@ -72,34 +72,32 @@ class HostOptions:
 
 
 class _HostDelegate(CodeModeSessionDelegate):
-    """A session's delegate on the host: every callback goes to the client."""
+    """A session's delegate on the host: every callback goes to the client.
+
+    Its callbacks are futures the client's answers resolve (:class:`_Settlement`): the runtime
+    settles them from their done callbacks, with no task or coroutine per nested call.
+    """
 
     def __init__(self, served: V1HostConnection, session_id: str) -> None:
         self._served = served
         self._session_id = session_id
 
-    async def invoke_tool(
+    def invoke_tool(
         self, invocation: CodeModeNestedToolCall, cancellation: CancellationToken
-    ) -> JSON:
+    ) -> _Settlement:
         session_id = self._session_id
-        result = await self._served.callback(
+        return self._served.callback(
             lambda protocol: protocol.start_tool_call(session_id, invocation), cancellation
         )
-        if isinstance(result, CallbackFailed):
-            raise CodeModeError(result.message)
-        assert isinstance(result, ToolReturned)
-        return result.value
 
-    async def notify(
+    def notify(
         self, call_id: str, cell_id: CellId, text: str, cancellation: CancellationToken
-    ) -> None:
+    ) -> _Settlement:
         session_id = self._session_id
-        result = await self._served.callback(
+        return self._served.callback(
             lambda protocol: protocol.start_notification(session_id, call_id, cell_id, text),
             cancellation,
         )
-        if isinstance(result, CallbackFailed):
-            raise CodeModeError(result.message)
 
     def cell_closed(self, cell_id: CellId) -> None:
         self._served.protocol.cell_closed(self._session_id, cell_id)
@@ -107,14 +105,14 @@ class _HostDelegate(CodeModeSessionDelegate):
 
 
 class _Settlement:
-    """How one callback to the client ended, as the delegate's task awaits it.
+    """How one callback to the client ended: a future (the ``asyncio.Future`` protocol) of the
+    tool's JSON, failed with :class:`CodeModeError` and the client's text when the callback failed.
 
-    A future-like object (the ``asyncio.Future`` protocol a Task awaits) that differs in one
-    respect: resolved from a plain loop callback — the client's answer, decoded in the
-    ``data_received`` of a pushing transport — it wakes the awaiting task *at once*, so the
-    delegate returns and the runtime settles the nested call in the iteration that read the
-    answer, instead of one ``call_soon`` later. Resolved from inside a task (a pulling
-    transport's reader), it wakes the awaiting task as a future would.
+    It differs from an :class:`asyncio.Future` in one respect: resolved from a plain loop
+    callback — the client's answer, decoded in the ``data_received`` of a pushing transport — it
+    runs its done callbacks *at once*, so the runtime settles the nested call in the iteration
+    that read the answer, instead of one ``call_soon`` later. Resolved from inside a task (a
+    pulling transport's reader), it schedules them as a future would.
     """
 
     __slots__ = ("_asyncio_future_blocking", "_callbacks", "_loop", "_result", "_state")
@@ -135,16 +133,19 @@ class _Settlement:
     def cancelled(self) -> bool:
         return self._state == "cancelled"
 
-    def result(self) -> CallbackResult:
-        if self._state == "cancelled":
-            raise asyncio.CancelledError
-        if self._result is None:
-            raise asyncio.InvalidStateError("the callback has not ended")
-        return self._result
+    def result(self) -> JSON:
+        error = self.exception()
+        if error is not None:
+            raise error
+        return self._result.value if isinstance(self._result, ToolReturned) else None
 
     def exception(self) -> BaseException | None:
         if self._state == "cancelled":
             raise asyncio.CancelledError
+        if self._result is None:
+            raise asyncio.InvalidStateError("the callback has not ended")
+        if isinstance(self._result, CallbackFailed):
+            return CodeModeError(self._result.message)
         return None
 
     def add_done_callback(
@@ -172,7 +173,7 @@ class _Settlement:
             return
         self._state, self._result = "done", result
         if asyncio.current_task(self._loop) is not None:
-            self._schedule_callbacks()  # a task is running: the awaiting one cannot step now
+            self._schedule_callbacks()  # a task is running: one that awaits this cannot step now
             return
         callbacks, self._callbacks = self._callbacks, []
         for callback, context in callbacks:
@@ -186,7 +187,7 @@ class _Settlement:
         for callback, context in callbacks:
             self._loop.call_soon(callback, self, context=context)
 
-    def __await__(self) -> Generator[Any, None, CallbackResult]:
+    def __await__(self) -> Generator[Any, None, JSON]:
         if self._state == "pending":
             self._asyncio_future_blocking = True
             yield self
@@ -475,17 +476,17 @@ class V1HostConnection:
 
     # -- callbacks ---------------------------------------------------------------------------------
 
-    async def callback(
+    def callback(
         self, start: Callable[[HostProtocol], int], cancellation: CancellationToken
-    ) -> CallbackResult:
-        """Issue one callback through the machine and await how it ended."""
+    ) -> _Settlement:
+        """Issue one callback through the machine; the future of how it ends."""
         delegate_id = start(self.protocol)
         settlement = _Settlement(asyncio.get_running_loop())
         self._callbacks[delegate_id] = settlement
         self._flush_callbacks()
         if not settlement.done():
             cancellation.add_callback(lambda: self._revoke(delegate_id))
-        return await settlement
+        return settlement
 
     def _flush_callbacks(self) -> None:
         """The first callback of a loop iteration goes out at once; those that follow in the
