@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from asyncio.tasks import _enter_task, _leave_task
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from functools import partial
+from types import CoroutineType
 from typing import Any, Final, cast
 
 from codemode.errors import CodeModeError
@@ -324,7 +325,7 @@ def serve_callback(
     (where the loop starts tasks eagerly).
     """
     context = contextvars.copy_context() if context is None else context.copy()
-    if asyncio.isfuture(call):
+    if type(call) is not CoroutineType and asyncio.isfuture(call):
         # Nothing to run: the future's owner resolves it (the V1 host's delegate, whose calls
         # are the client's to answer). No task, no coroutine per call.
         call.add_done_callback(partial(_settle_future, settle, notification), context=context)
