@@ -47,7 +47,7 @@ async def test_s01_yield_wait_terminate(harness: Harness) -> None:
     cell, response = await start(session, f'text("a"); {FOREVER}', yield_ms=100)
     assert response == Yielded(CellId(cell), items("a"))
     # The upper bound only tells a yield from a hang: this may be the first cell a fresh machine
-    # runs, whose engine start (a cold file cache, the addon loaded once) took 2 s on one CI VM.
+    # runs, whose engine start (a cold file cache, the addon loaded once) took 2 s on a new VM.
     assert 0.08 <= time.monotonic() - began < 10
     assert await session.wait(WaitRequest(CellId(cell), 100)) == LiveCell(Yielded(CellId(cell), []))
     assert await session.terminate(CellId(cell)) == LiveCell(Terminated(CellId(cell), []))
