@@ -72,7 +72,9 @@ def our_host(version: str) -> list[str]:
 
 #: A step of a script: ``("send", bytes)`` writes the bytes (frames, whole or not) at once;
 #: ``("sleep", seconds)`` pauses; ``("expect", n)`` reads ``n`` frames (fewer if the host ends
-#: the connection); ``("end",)`` reads until the host ends the connection.
+#: the connection); ``("until", marker)`` reads frames up to the first that contains the bytes
+#: ``marker`` (a script's order made independent of load); ``("end",)`` reads until the host ends
+#: the connection.
 Step = tuple[Any, ...]
 
 _TIMING: Final = re.compile(rb'"(code_mode_host_duration_ns|result_buffered_for_ns)":\d+')
@@ -124,6 +126,14 @@ async def exchange(command: list[str], script: list[Step], *, linger: float = 0.
                     if payload is None:
                         break
                     frames.append(payload)
+            elif step[0] == "until":
+                try:
+                    while (payload := await reader.read(_READ)) is not None:
+                        frames.append(payload)
+                        if step[1] in payload:
+                            break
+                except TimeoutError:
+                    frames.append(b"(no frame contained " + step[1] + b")")
             else:
                 try:
                     while (payload := await reader.read(_QUIET)) is not None:
