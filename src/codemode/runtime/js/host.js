@@ -93,7 +93,10 @@ function flush() {
       offset += fs.writeSync(FRAMES_FD, frame, offset);
     } catch (error) {
       if (error.code === 'EAGAIN') continue;
-      if (error.code === 'EPIPE') process.exit(0); // Python went away: nothing is left to serve
+      if (error.code === 'EPIPE') {
+        leave(); // Python went away: nothing is left to serve
+        return;
+      }
       throw error;
     }
   }
@@ -143,6 +146,9 @@ function tooLarge(text) {
 }
 const IMAGE_DETAILS = ['auto', 'low', 'high', 'original'];
 const cells = new Map(); // cell -> Cell
+let leaving = false; // leave() ran: the process is ending
+// How long leave() lets the process end by itself before it exits regardless.
+const LEAVE_GRACE_MS = 1000;
 // Isolates of completed cells, disposed a turn after the spare for the next cell was made (see
 // Cell.exit).
 const retired = [];
@@ -461,6 +467,7 @@ function prepare(limit) {
 // Makes spares of `limit` until there are `count`, dropping the oldest of other limits to stay
 // within MAX_SPARES.
 function prepareSpare(limit, count = 1) {
+  if (leaving) return;
   try {
     while (spares.filter((spare) => spare.limit === limit).length < count) {
       if (spares.length >= MAX_SPARES) {
@@ -829,12 +836,30 @@ process.stdin.on('data', (chunk) => {
 // The runtime went away: nothing is left to serve.
 process.stdin.on('end', () => {
   flush();
-  // process.exit() waits for every isolate's thread, and a cell in a loop for ever never lets
-  // go of its own: the isolates are stopped first, and the process exits a turn later.
-  for (const cell of cells.values()) dispose(cell.isolate);
-  for (const spare of spares) dispose(spare.cell.isolate);
-  setImmediate(() => process.exit(0));
+  leave();
 });
+
+// Ends the process. process.exit() waits for every isolate's thread, and a cell in a loop for
+// ever never lets go of its own: the isolates are stopped first. A stopped isolate's thread then
+// unwinds for a while, and exiting meanwhile crashed the process (SIGSEGV, 1 run in 2 on a loaded
+// machine; 1 in 8 even after its entry settled). So nothing is left to keep the process alive
+// but the isolates, and it ends by itself once their threads are done (isolated-vm holds the
+// event loop until then); the timer, which does not hold it, bounds a thread that never ends.
+function leave() {
+  if (leaving) return;
+  leaving = true;
+  process.stdin.destroy();
+  for (const handle of [spareTimer, idleSpareTimer, afterEndTimer]) {
+    if (handle !== null) clearTimeout(handle);
+  }
+  for (const cell of cells.values()) {
+    for (const handle of cell.timers.values()) clearTimeout(handle);
+    if (cell.isolate !== null) dispose(cell.isolate);
+  }
+  for (const spare of spares) dispose(spare.cell.isolate);
+  spares = [];
+  setTimeout(() => process.exit(0), LEAVE_GRACE_MS).unref();
+}
 
 send({ t: 'ready' });
 
