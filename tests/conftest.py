@@ -1,8 +1,7 @@
 """Settings every test needs before anything is imported, and the run's report hooks."""
 
 import os
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Generator
 
 import pytest
 from hypothesis import settings
@@ -17,13 +16,18 @@ settings.register_profile("suite", deadline=None)
 settings.load_profile("suite")
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport() -> Iterator[None]:
-    # Tests feed lone surrogates to tools whose failures are logged; pytest-xdist sends a report's
-    # captured sections to the controller as UTF-8, and such a section crashed the worker.
-    outcome: Any = yield
-    report = outcome.get_result()
-    report.sections = [
-        (title, text.encode("utf-8", "backslashreplace").decode())
-        for title, text in report.sections
-    ]
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport() -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    # Tests feed lone surrogates to tools whose failures are logged; pytest-xdist sends a report
+    # to the controller as UTF-8, and such a captured section (or failure) crashed the worker.
+    report = yield
+    report.sections = [(title, _utf8(text)) for title, text in report.sections]
+    if report.longrepr is not None and not isinstance(report.longrepr, tuple):
+        text = str(report.longrepr)
+        if _utf8(text) != text:
+            report.longrepr = _utf8(text)
+    return report
+
+
+def _utf8(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode()
