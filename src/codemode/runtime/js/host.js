@@ -765,6 +765,7 @@ function terminate(id) {
 // thread (the session's next cell gets a fresh engine).
 const RUNAWAY_CHECK_MS = 50;
 setInterval(() => {
+  if (leaving) return; // the isolates were all stopped: leave() bounds what is left of them
   for (const cell of cells.values()) {
     if (cell.gone || cell.isolate === null || !cell.isolate.isDisposed) continue;
     if (!cell.disposedSeen) {
