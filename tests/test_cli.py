@@ -163,6 +163,15 @@ def test_run_timeout_terminates_a_cell_that_runs_on() -> None:
     assert codemode("run", "-", "--timeout", "0", stdin=b"").returncode == 2
 
 
+def test_run_wall_time_counts_from_the_last_response_printed() -> None:
+    # A silent yield prints nothing: the terminated loop ran the whole second, not 0.0 s.
+    result = codemode("run", "-", "--timeout", "1", "--yield-ms", "200", stdin=b"while (true) {}")
+    assert result.returncode == 124, result.stderr
+    wall = re.search(rb"Script terminated\nWall time ([0-9.]+) seconds", result.stdout)
+    assert wall is not None, result.stdout
+    assert float(wall.group(1)) >= 0.9
+
+
 def test_run_pragma_is_honoured() -> None:
     cell = b'text("early"); await new Promise(r => setTimeout(r, 1500)); text("done")'
     pragma = codemode("run", "-", stdin=b'// @exec: {"yield_time_ms": 300}\n' + cell)

@@ -312,7 +312,9 @@ async def _run_cell(
             now = time.monotonic()
             collected.extend(response.content_items)
             if not args.json and (response.content_items or not isinstance(response, Yielded)):
+                # The time since the last response printed: a silent yield is not one.
                 _print_rendered(response, now - observed_at, max_tokens)
+                observed_at = now
             elif progress and now - progress_at >= PROGRESS_INTERVAL:
                 progress_at = now
                 print(
@@ -322,7 +324,6 @@ async def _run_cell(
                 )
             if not isinstance(response, Yielded):
                 break
-            observed_at = now
             if deadline is not None and now >= deadline:
                 timed_out = True
                 outcome = await session.terminate(cell.cell_id)
