@@ -296,6 +296,11 @@ def test_host_other_listen_addresses_are_usage_errors() -> None:
         assert done.returncode == 2, address
         assert done.stdout == b""
         assert f"codemode host: --listen {address}: ".encode() in done.stderr
+    unknown = codemode("host", "--listen", "http://127.0.0.1:0")
+    assert unknown.returncode == 2
+    assert unknown.stderr.endswith(
+        b"expected stdio, ws://ADDR:PORT[/PATH], grpc://ADDR:PORT or grpc+stdio://\n"
+    )
     missing = codemode("host")
     assert missing.returncode == 2
     assert b"--stdio or --listen ADDRESS is required" in missing.stderr

@@ -163,6 +163,13 @@ def _host_command(args: argparse.Namespace) -> int:
             return 2
         if listen == "stdio":
             return run_main(lambda: _host_stdio(args), args.loop)
+        if not listen.startswith("ws://"):
+            print(
+                f"codemode host: --listen {listen}: expected stdio, ws://ADDR:PORT[/PATH], "
+                "grpc://ADDR:PORT or grpc+stdio://",
+                file=sys.stderr,
+            )
+            return 2
         try:
             address = WebSocketAddress.parse(listen)
             token = _host_token(args)
