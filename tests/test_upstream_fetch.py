@@ -1,4 +1,4 @@
-"""``tests/upstream.py``: fetch once, verify, unpack only the host binary (no network here)."""
+"""``tests/upstream.py``: fetch once, verify, unpack only the binaries used (no network here)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from tests import upstream
 
 
 def _tarball(path: Path, *, binary: bytes = b"\x7fELF host") -> str:
-    """Write a package tarball with the host binary, a sibling and a hostile member; its integrity."""
+    """Write a package tarball with the two binaries and a hostile member; its integrity."""
     with tarfile.open(path, "w:gz") as archive:
         for name, data in (
             (upstream.MEMBER, binary),
-            ("package/vendor/x86_64-unknown-linux-musl/bin/codex", b"not me"),
+            ("package/vendor/x86_64-unknown-linux-musl/bin/codex", b"\x7fELF codex"),
             ("../escape", b"outside"),
         ):
             info = tarfile.TarInfo(name)
@@ -51,17 +51,21 @@ def fake_npm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return source
 
 
-def test_fetches_once_and_keeps_only_the_binary(
+def test_fetches_once_and_keeps_only_the_binaries_used(
     fake_npm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(upstream.INTEGRITY, "0.149.0", _tarball(fake_npm))
     path = upstream.upstream_host("0.149.0")
     assert path == tmp_path / "cache" / "upstream" / "0.149.0" / "codex-code-mode-host"
     assert path.read_bytes() == b"\x7fELF host" and os.access(path, os.X_OK)
-    assert sorted(p.name for p in path.parent.iterdir()) == [".lock", "codex-code-mode-host"]
+    # The codex CLI came with it (the same tarball): its own first use fetches nothing.
+    codex = path.parent / "codex"
+    assert sorted(p.name for p in path.parent.iterdir()) == [".lock", "codex", path.name]
     assert not (tmp_path / "cache" / "escape").exists()
     monkeypatch.setattr(upstream, "_found", {})  # a fresh process: the cache is reused
     assert upstream.upstream_host("0.149.0") == path
+    assert upstream.upstream_codex("0.149.0") == codex
+    assert codex.read_bytes() == b"\x7fELF codex" and os.access(codex, os.X_OK)
     calls = (tmp_path / "npm.log").read_text().splitlines()
     assert len(calls) == 1 and calls[0].startswith("pack @openai/codex@0.149.0-linux-x64")
 

@@ -2,10 +2,12 @@
 
 :func:`upstream_host` fetches ``codex-code-mode-host`` from the npm package
 ``@openai/codex@VERSION-linux-x64`` the first time a test asks for it (never at import), checks the
-tarball against its pinned npm integrity, unpacks only the host binary into a cache directory and
-returns its path. :func:`upstream_codex` does the same for the ``codex`` CLI of that package. Every failure (no npm, no network, wrong platform, integrity mismatch) returns
-``None`` and leaves the reason in :func:`unavailable_reason`, so the tests that need the binary
-skip with it. A file lock makes parallel callers (pytest-xdist workers, several runs) fetch once.
+tarball against its pinned npm integrity, unpacks only the host binary (and the package's other
+binaries used here, while the tarball is at hand) into a cache directory and returns its path.
+:func:`upstream_codex` does the same for the ``codex`` CLI of that package. Every failure (no npm,
+no network, wrong platform, integrity mismatch) returns ``None`` and leaves the reason in
+:func:`unavailable_reason`, so the tests that need the binary skip with it. A file lock makes
+parallel callers (pytest-xdist workers, several runs) fetch once.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ def _ensure(version: str, binary: str = BINARY) -> Path:
     try:
         with fetch_lock(directory):
             if not _usable(target):
-                _fetch(version, integrity, directory, target, _MEMBERS[binary])
+                _fetch(version, integrity, directory, binary)
     except OSError as error:
         raise _Unavailable(f"cache directory {directory}: {error}") from None
     except PackageFetchError as error:
@@ -133,31 +135,42 @@ def _npm() -> list[str]:
     return npm_command()
 
 
-def _fetch(
-    version: str, integrity: str, directory: Path, target: Path, member: str = MEMBER
-) -> None:
+def _fetch(version: str, integrity: str, directory: Path, binary: str) -> None:
+    """Fetch the package once and unpack ``binary``, and the other binaries of ``_MEMBERS`` not
+    cached yet while the tarball is here (every test of a release needs the same one)."""
     package = f"@openai/codex@{version}-linux-x64"
     with tempfile.TemporaryDirectory(dir=directory, prefix=".fetch-") as scratch:
         tarball = pack_verified(_npm(), package, integrity, Path(scratch))
-        staged = Path(scratch) / target.name
-        _extract_binary(tarball, staged, member)
-        staged.chmod(0o755)
-        os.replace(staged, target)
+        wanted = {
+            member: Path(scratch) / name
+            for name, member in _MEMBERS.items()
+            if name == binary or not _usable(directory / name)
+        }
+        staged = _extract_binaries(tarball, wanted)
+        if _MEMBERS[binary] not in staged:
+            raise _Unavailable(f"{_MEMBERS[binary]} not found in the tarball")
+        for member in staged:
+            wanted[member].chmod(0o755)
+            os.replace(wanted[member], directory / wanted[member].name)
 
 
-def _extract_binary(tarball: Path, destination: Path, wanted: str = MEMBER) -> None:
-    """Copy the one regular-file member ``wanted`` to ``destination``; nothing else is read."""
+def _extract_binaries(tarball: Path, wanted: dict[str, Path]) -> set[str]:
+    """Copy each regular-file member named in ``wanted`` to its path; nothing else is read. The
+    members found; one that is there but not a regular file is an error."""
+    found: set[str] = set()
     with tarfile.open(tarball, "r:gz") as archive:
         for member in archive:
             path = PurePosixPath(member.name)
-            if path.is_absolute() or ".." in path.parts or str(path) != wanted:
+            if path.is_absolute() or ".." in path.parts or str(path) not in wanted:
                 continue
             if not member.isfile():
-                raise _Unavailable(f"{wanted} in the tarball is not a regular file")
+                raise _Unavailable(f"{path} in the tarball is not a regular file")
             source = archive.extractfile(member)
             if source is None:
-                break
-            with source, open(destination, "wb") as sink:
+                continue
+            with source, open(wanted[str(path)], "wb") as sink:
                 shutil.copyfileobj(source, sink)
-            return
-    raise _Unavailable(f"{wanted} not found in the tarball")
+            found.add(str(path))
+            if len(found) == len(wanted):
+                break
+    return found
