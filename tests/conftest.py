@@ -1,6 +1,7 @@
 """Settings every test needs before anything is imported, and the run's report hooks."""
 
 import os
+import signal
 from collections.abc import Generator
 
 import pytest
@@ -9,6 +10,12 @@ from hypothesis import settings
 # The runtime forks engine processes with a pre-exec hook; gRPC's fork handlers make such children
 # crash while gRPC threads run (codemode.grpc_stubs sets the same default for users).
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+# A shell starts a background job with SIGINT ignored, and an ignored signal stays ignored in
+# every program the job starts: the tests that interrupt a `codemode run` child would wait in
+# vain. A handler of this process's own is reset to the default in each child instead.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Speed is measured in benchmarks, never asserted: an example may take its time on a machine that
 # runs the suite's workers side by side (a deadline would fail it as flaky).
