@@ -74,7 +74,9 @@ async def test_a_ping_flood_from_a_peer_that_never_reads_cannot_grow_the_host(
             peak = 0
             blocked = 0.0
             start = loop.time()
-            while loop.time() - start < 1.5:
+            # Until the flood was held up for half a second in all: soon when the host stops
+            # reading it, never when it keeps reading (however loaded the machine is).
+            while blocked <= 0.5 and loop.time() - start < 10:
                 writer.write(pings)
                 before = loop.time()
                 try:

@@ -87,7 +87,7 @@ CASES: Final[dict[str, list[Step]]] = {
         open_session(1, cellExecutionLimits={"maxYieldTimeMs": 0}),
         pause(0.3),
         execute(2, "text(1)"),
-        pause(0.5),
+        answered(),
     ],
     "execute with yield_time_ms 0, then wait": [
         *OPENED,
@@ -140,7 +140,7 @@ CASES: Final[dict[str, list[Step]]] = {
             "text(Object.keys(tools)); text(typeof tools.__proto__); text(JSON.stringify(ALL_TOOLS))",
             enabled_tools=[{**ECHO, "name": "__proto__"}, {**ECHO, "name": "constructor"}],
         ),
-        pause(0.5),
+        answered(),
     ],
     # Requests read together are answered in arrival order when they complete at once: refusals
     # (unknown session, execute conversion, a second open) wait behind the requests read before
