@@ -121,7 +121,7 @@ CASES: Final[dict[str, list[Step]]] = {
     "wait and terminate on a finished cell": [
         *OPENED,
         execute(2, 'text("hi")'),
-        answered(),
+        answered("cell/closed"),
         wait(3, "1"),
         pause(0.2),
         terminate(4, "1"),
