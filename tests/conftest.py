@@ -31,8 +31,9 @@ def pytest_runtest_makereport() -> Generator[None, pytest.TestReport, pytest.Tes
     report.sections = [(title, _utf8(text)) for title, text in report.sections]
     if report.longrepr is not None and not isinstance(report.longrepr, tuple):
         text = str(report.longrepr)
-        if _utf8(text) != text:
-            report.longrepr = _utf8(text)
+        escaped = _utf8(text)
+        if escaped != text:
+            report.longrepr = escaped
     return report
 
 
