@@ -74,3 +74,14 @@ async def test_the_session_store_is_bounded(
     )
     kept = await run(session, 'text(String(load("a").length)); text(String(load("b")))')
     assert [item.text for item in kept.content_items] == ["600", "undefined"]  # type: ignore[union-attr]
+
+
+@pytest.mark.timeout(60)
+async def test_the_error_text_of_a_huge_message_is_made_in_linear_time(
+    session: LocalSession,
+) -> None:
+    # The eval origins of the stack's lines were found by a regular expression that scanned from
+    # every `eval at ` to the next parenthesis: this message kept the engine busy for 4 minutes.
+    result = await run(session, 'throw new Error("eval at ".repeat(200000))')
+    assert result.error_text is not None
+    assert result.error_text.startswith("Error: " + "eval at " * 1000)
