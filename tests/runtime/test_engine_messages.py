@@ -21,6 +21,7 @@ from codemode.protocol import (
     Result,
 )
 from codemode.runtime import LocalSession, LocalSessionProvider, NodeEngine
+from codemode.runtime import session as session_module
 from codemode.runtime.engine import MAX_ENGINE_FRAME_BYTES, _EngineOutput, _HostProtocol
 from codemode.session import CodeModeSessionDelegate, StartedCell
 from tests.contract.delegate import FIXTURE_TOOLS, RecordingDelegate
@@ -98,6 +99,11 @@ def wired() -> tuple[NodeEngine, _EngineOutput, Events, StubTransport]:
         b'[{"t":"done","cell":1,"error":"x","writes":"[]","call":[0,1]}]',  # no column
         b'[{"t":"done","cell":1,"error":"x","writes":"[]","call":["fail",1,1]}]',  # a name
         b'{"t":"started","cell":1}',  # not a batch
+        b"[" * 5000 + b"]" * 5000,  # nested past the decoder (RecursionError, not DecodeError)
+        b'[{"t":"done","cell":1,"error":null,"writes":"[[\\"k\\",'
+        + b"[" * 5000
+        + b"]" * 5000
+        + b']]"}]',
     ],
 )
 async def test_a_malformed_frame_ends_the_engine_and_its_cells(body: bytes) -> None:
@@ -183,6 +189,7 @@ async def test_a_forged_call_to_a_tool_the_cell_does_not_have_is_refused() -> No
             {"t": "call", "cell": key, "id": "x1", "tool": 99, "input": None},
             {"t": "call", "cell": key, "id": "x2", "tool": -1, "input": None},
             {"t": "call", "cell": key, "id": "x3", "tool": 0, "input": "{not json"},
+            {"t": "call", "cell": key, "id": "x4", "tool": 0, "input": "[" * 5000 + "]" * 5000},
         ]
         _EngineOutput(engine).data_received(frame(json.dumps(forged).encode()))
         engine.send_result = real  # type: ignore[method-assign]
@@ -190,6 +197,7 @@ async def test_a_forged_call_to_a_tool_the_cell_does_not_have_is_refused() -> No
             ("x1", False, "unknown tool"),
             ("x2", False, "unknown tool"),
             ("x3", False, "tool input is not JSON"),
+            ("x4", False, "tool input is not JSON"),  # deeper than the prelude sends
         ]
         assert delegate.calls == []
         await session.terminate(started.cell_id)
@@ -203,6 +211,21 @@ async def test_a_forged_call_site_naming_no_tool_of_the_cell_is_dropped() -> Non
         result = await asyncio.wait_for(started.initial_response(), 10)
         assert result == Result(started.cell_id, [], "boom")
         assert isinstance(result, Result) and result.failed_call is None
+
+
+async def test_writes_repeating_a_key_are_counted_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The store's size was counted per write against the store before the writes: a key written
+    # again and again took its old size off each time, and the store outgrew its limit.
+    monkeypatch.setattr(session_module, "MAX_STORE_CHARS", 1000)
+    async with LocalSessionProvider() as provider:
+        session = await provider.create_session(RecordingDelegate())
+        stored = json.dumps("x" * 597)
+        assert session.commit([("k", stored)]) is None
+        forged = [("k", "1"), ("k", "1"), ("j", json.dumps("y" * 498)), ("k", stored)]
+        assert session.commit(forged) == (
+            "exec cell store writes were discarded: the session store would exceed 1000 characters"
+        )
+        assert session.commit([("k", "1"), ("k", stored), ("j", "2")]) is None  # 600 + 2
 
 
 @pytest.mark.slow

@@ -335,7 +335,8 @@ class Cell:
             return
         try:
             arguments = None if input_json is None else _DECODER.decode(input_json)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # the prelude bounds depth; the engine
+            # is untrusted all the same
             self._engine.send_result(self.key, call_id, False, "tool input is not JSON")
             return
         definition = self._tools[tool]

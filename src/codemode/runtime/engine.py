@@ -198,7 +198,7 @@ class _Batches:
     ) -> list[_EngineMessage]:
         try:
             return _BATCH.decode(memoryview(data)[start : len(data) if end is None else end])
-        except msgspec.DecodeError as error:
+        except (msgspec.DecodeError, RecursionError) as error:  # deep nesting: RecursionError
             raise EngineBreach(f"malformed engine frame: {error}") from None
 
 
@@ -647,7 +647,7 @@ class NodeEngine:
                 writes = [
                     (key, bytes(value).decode()) for key, value in _WRITES.decode(message.writes)
                 ]
-            except (msgspec.DecodeError, UnicodeDecodeError) as error:
+            except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as error:
                 raise EngineBreach(f"malformed store writes: {error}") from None
             events.on_done(message.error, writes, message.call)
         elif isinstance(message, _Exited):

@@ -463,8 +463,11 @@ class LocalSession(CodeModeSession):
         """
         if not self._store_load or not writes:
             return None
+        # Merged first: the engine is untrusted, and a key written twice must be counted once
+        # (with its last value), or the count drifts from the store's real size.
+        merged = dict(writes)
         size = self._store_chars
-        for key, value in writes:
+        for key, value in merged.items():
             old = self._store.get(key)
             size += len(key) + len(value) - (0 if old is None else len(key) + len(old))
         if size > MAX_STORE_CHARS:
@@ -472,7 +475,7 @@ class LocalSession(CodeModeSession):
                 "exec cell store writes were discarded: the session store would exceed "
                 f"{MAX_STORE_CHARS} characters"
             )
-        self._store.update(writes)
+        self._store.update(merged)
         self._store_chars = size
         return None
 
