@@ -91,6 +91,12 @@ CELLS = [
     "class C { static import(x) { return x * 3 } }; text(String(C.import(2)))",
     "const o = { async import() { return 5 } }; text(String(await o.import()))",
     'let i = 1; const q = i++ / 2; try { await import("z") } catch (e) { text(String(e)) }',
+    # After `if (…)` (`while`, `for`, `with`) a `/` starts a regular expression, which may hold
+    # quotes and `import(`; after a method named `for` it divides.
+    "if (1) /'/.test(''); text('import(x)') //'",
+    'if (true) /import()/.test("import") ? text("match") : text("no"); await import("z")',
+    'for (const x of [1]) /a"/.test("a") || text("re"); try { await import("z") } catch (e) { text(String(e)) }',
+    'const o = {for(x) { return x }}; const y = o.for(4) / 2; text(String(y)); await import("z")',
     "export const q = 1",
     "text(typeof console); text(typeof require); text(typeof process); text(typeof globalThis.fetch); text(typeof setInterval)",
     "text(typeof WebAssembly); text(typeof SharedArrayBuffer); text(typeof Atomics); text(typeof queueMicrotask); text(typeof structuredClone)",

@@ -266,6 +266,14 @@ CASES: dict[str, Hostile] = {
         "await new Promise((resolve) => setTimeout(resolve, 50)); text('survived')",
         ok("survived"),
     ),
+    "unhandled_rejections_naming_the_memory_limit": Hostile(
+        # Their text used to be taken for the isolate's own report: the cell ended as over its
+        # heap limit.
+        "Promise.reject(new Error('Isolate was disposed during execution due to memory limit'));\n"
+        "Promise.reject(new Error('page larger than the memory limit'));\n"
+        "await new Promise((resolve) => setTimeout(resolve, 50)); text('survived')",
+        ok("survived"),
+    ),
     "heap_bomb": Hostile(
         "const a = []; while (true) a.push(new Array(1e6).fill(1))",
         fails("heap limit"),
@@ -330,6 +338,13 @@ SLOW_CASES: dict[str, Hostile] = {
     ),
     "notify_100m_characters": Hostile('notify("x".repeat(100_000_000)); text("sent")', completes),
     "thrown_100m_characters": Hostile('throw "x".repeat(100_000_000)', fails()),
+    # Each fits a frame alone, not both together: the end message was larger than the frame
+    # Python accepts, which ended the engine and every cell on it.
+    "store_writes_and_error_fill_a_frame_together": Hostile(
+        "store('k', '\\uffff'.repeat((64 << 20) - 4)); throw '\\x01'.repeat(16 << 20)",
+        fails("store writes were discarded: they are too large to send"),
+        timeout=60,
+    ),
     "tool_argument_50m_characters": Hostile(
         'try { await tools.echo({s: "x".repeat(50_000_000)}) } catch (e) { text("refused") }',
         completes,

@@ -136,13 +136,19 @@ function sendLarge(message, chars) {
 }
 const MAX_ITEM_CHARS = MAX_MESSAGE_BYTES / 6;
 const MAX_ERROR_CHARS = 16 * 1024 * 1024;
-function tooLarge(text) {
-  if (text.length <= MAX_MESSAGE_BYTES / 6) return false;
+// Is `text`, as JSON in UTF-8, longer than `room` bytes?
+function tooLarge(text, room = MAX_MESSAGE_BYTES) {
+  if (text.length <= room / 6) return false;
   try {
-    return Buffer.byteLength(JSON.stringify(text), 'utf8') > MAX_MESSAGE_BYTES;
+    return Buffer.byteLength(JSON.stringify(text), 'utf8') > room;
   } catch (error) {
     return true; // longer than a string can be
   }
+}
+// The room an error text takes in a message (as JSON in UTF-8, at most 6 bytes a character).
+function errorBytes(text) {
+  if (text === null) return 0;
+  return text.length <= LARGE_CHARS ? text.length * 6 : Buffer.byteLength(JSON.stringify(text), 'utf8');
 }
 const IMAGE_DETAILS = ['auto', 'low', 'high', 'original'];
 const cells = new Map(); // cell -> Cell
@@ -221,7 +227,8 @@ class Cell {
     const message = String((error && error.message) || error);
     // isolated-vm reports a rejection nobody handled inside the isolate as the entry's error;
     // runtime.md ignores those. Only a dead isolate ends the cell here.
-    if (this.isolate !== null && !this.isolate.isDisposed && !/memory limit/i.test(message)) return;
+    // Not the text alone: a cell can reject with any text, "memory limit" included.
+    if (this.isolate !== null && !this.isolate.isDisposed) return;
     if (/memory limit/i.test(message)) this.exit('oom');
     else if (this.stopping || this.finished) this.exit('stopped');
     else this.exit('crashed', message);
@@ -352,7 +359,8 @@ class Cell {
             // the isolate is gone: what the end reported stands
           }
         }
-        if (tooLarge(done.writes)) {
+        // The writes share the frame with the error text (up to 16 Mi characters of it).
+        if (tooLarge(done.writes, MAX_MESSAGE_BYTES - 1024 - errorBytes(done.error))) {
           done.writes = '[]';
           done.error = 'exec cell store writes were discarded: they are too large to send';
           delete done.call;
@@ -595,7 +603,9 @@ function renameDynamicImports(source) {
   if (!source.includes('import')) return source;
   const imports = []; // where each dynamic import to rename starts
   const parens = []; // for each open parenthesis: where the `import` before it starts, or -1
+  const conditions = []; // for each open parenthesis: does it follow `if`, `while`, `for`, `with`?
   let importBefore = -1; // an `import` whose `(` comes next
+  let keywordBefore = false; // an `if`, `while`, `for` or `with` whose `(` comes next
   let i = 0;
   let valueBefore = false; // does a `/` here divide (true) or start a regular expression?
   const templates = []; // brace depths at which a template literal's `${` was opened
@@ -617,11 +627,15 @@ function renameDynamicImports(source) {
   };
   while (i < n) {
     const c = source[i];
+    const keyword = keywordBefore; // kept over blanks and comments only
+    keywordBefore = false;
     if (c === '/' && source[i + 1] === '/') {
       while (i < n && source[i] !== '\n') i++;
+      keywordBefore = keyword;
     } else if (c === '/' && source[i + 1] === '*') {
       const end = source.indexOf('*/', i + 2);
       i = end < 0 ? n : end + 2;
+      keywordBefore = keyword;
     } else if (c === '"' || c === "'") {
       skipString(c);
       valueBefore = true;
@@ -669,6 +683,10 @@ function renameDynamicImports(source) {
         // them, or hides a `(` from such a scan, stall this thread quadratically).
         if (source[j] === '(') importBefore = start;
       }
+      // After `if (…)` comes a statement, which may start with a regular expression.
+      keywordBefore = source[start - 1] !== '.' &&
+        (word === 'if' || word === 'while' || word === 'for' || word === 'with' ||
+          (keyword && word === 'await')); // for await (…)
       valueBefore = VALUE_KEYWORDS.has(word) || !/^(return|typeof|instanceof|in|of|new|delete|void|throw|case|do|else|yield|await)$/.test(word);
     } else if (c >= '0' && c <= '9') {
       while (i < n && ID_PART.test(source[i])) i++;
@@ -690,18 +708,21 @@ function renameDynamicImports(source) {
       }
     } else if (c === '(') {
       parens.push(importBefore);
+      conditions.push(keyword);
       importBefore = -1;
       i++;
       valueBefore = false;
     } else if (c === ')' || c === ']') {
       i++;
+      valueBefore = true;
       if (c === ')' && parens.length > 0) {
         const opened = parens.pop();
         if (opened >= 0 && !startsBlock(source, i)) imports.push(opened);
+        if (conditions.pop()) valueBefore = false;
       }
-      valueBefore = true;
     } else if (/\s/.test(c)) {
       i++;
+      keywordBefore = keyword;
     } else if ((c === '+' || c === '-') && source[i + 1] === c) {
       i += 2; // after a value it is postfix and a value still ends here (`i++ / 2` divides)
     } else {
