@@ -141,6 +141,30 @@ async def test_s07_natural_completion_wins_over_terminate(harness: Harness) -> N
     assert await session.wait(WaitRequest(CellId(cell), 10)) == missing(cell)
 
 
+async def test_two_terminates_at_once_of_a_completed_cell(harness: Harness) -> None:
+    # The second used to find the cell closed by the first before its own check ran, and failed
+    # with "exec cell N is closed", a text the spec does not have: it is a missing cell.
+    session = await harness.session()
+    cell, response = await start(
+        session, 'yield_control(); store("finished", true); text("done")', yield_ms=60_000
+    )
+    assert response == Yielded(CellId(cell), [])
+    for _ in range(200):
+        probe = await run(session, 'text(String(load("finished")))')
+        if probe.content_items == items("true"):
+            break
+        await asyncio.sleep(0.01)
+    else:
+        pytest.fail("the store was never committed")
+    outcomes = await asyncio.gather(
+        session.terminate(CellId(cell)), session.terminate(CellId(cell))
+    )
+    assert sorted(outcomes, key=lambda outcome: isinstance(outcome, MissingCell)) == [
+        LiveCell(Result(CellId(cell), items("done"), None)),
+        missing(cell),
+    ]
+
+
 async def test_s08_terminate_waits_for_notification_cancellation(harness: Harness) -> None:
     delegate = RecordingDelegate(notify_mode="wait_cancel")
     session = await harness.session(delegate)

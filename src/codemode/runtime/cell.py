@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from enum import Enum
 from functools import partial
 from typing import TYPE_CHECKING, Any, Final
@@ -465,18 +465,25 @@ class Cell:
             token.cancel()
         return pending
 
-    async def terminate(self) -> LiveCell:
-        """Stop the cell (§13.6): a buffered natural completion wins over termination."""
+    def terminate(self) -> Awaitable[LiveCell]:
+        """Stop the cell (§13.6): a buffered natural completion wins over termination. The state
+        changes in this call, so that of two terminates made in one turn the second is refused
+        as the spec says; the awaitable finishes the stop."""
         if self._state is _State.COMPLETED:
             completion = self._completion()
             self._close()
-            return LiveCell(completion)
+            done: asyncio.Future[LiveCell] = self._loop.create_future()
+            done.set_result(LiveCell(completion))
+            return done
         if self._state is _State.TERMINATING:
             raise CodeModeError(f"exec cell {self.cell_id} is already terminating")
         if self._state is _State.CLOSED:
             raise CodeModeError(f"exec cell {self.cell_id} is closed")
         self._state = _State.TERMINATING
         self._engine.terminate(self.key)
+        return self._stop()
+
+    async def _stop(self) -> LiveCell:
         await self._settle_calls()
         if not self._stopped.is_set():
             try:

@@ -389,7 +389,7 @@ class LocalSession(CodeModeSession):
         check_cell_id(cell_id)
         self._check_open()
         cell = self._cells.get(cell_id)
-        if cell is None:
+        if cell is None or cell.closed:
             return _missing(cell_id)
         # Cancelling the caller does not stop the termination.
         return await asyncio.shield(cell.terminate())
