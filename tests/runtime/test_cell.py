@@ -1,13 +1,18 @@
-"""A cell's life as its logs tell it: one record when it starts, one when it ends."""
+"""A cell's life as its logs tell it (one record when it starts, one when it ends), and how it
+counts the values of a tool input."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from codemode.protocol import CellId, ExecuteRequest, Result
 from codemode.runtime import LocalSessionProvider
+from codemode.runtime.cell import _json_values
 from codemode.session import NoopCodeModeSessionDelegate
 
 
@@ -34,3 +39,29 @@ async def test_cells_log_their_start_and_their_end(caplog: pytest.LogCaptureFixt
         "cell=2": "outcome=failed",
         "cell=3": "outcome=terminated",
     }
+
+
+def _values(value: object) -> int:
+    if isinstance(value, dict):
+        return 1 + sum(1 + _values(item) for item in value.values())
+    if isinstance(value, list):
+        return 1 + sum(_values(item) for item in value)
+    return 1
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner) | st.dictionaries(st.text(), inner),
+    max_leaves=40,
+)
+
+
+@given(_JSON, st.booleans())
+def test_the_values_of_a_tool_input_are_never_undercounted(value: object, compact: bool) -> None:
+    text = json.dumps(value, separators=(",", ":") if compact else None)
+    actual = _values(value)
+    assert (_json_values(text, 1 << 30) or 0) >= actual
+    # Past the separators' count, strings are taken out: then only an empty container counts
+    # one value too many.
+    assert _json_values(text, actual - 1) is None
+    assert _json_values(text, 2 * actual) is not None

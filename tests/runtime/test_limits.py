@@ -9,6 +9,7 @@ import pytest
 from codemode.protocol import ExecuteRequest, InputText, Result
 from codemode.runtime import LocalSession, LocalSessionProvider
 from codemode.runtime import session as session_module
+from codemode.runtime.cell import PENDING_VALUES_TOO_MANY
 from tests.contract.delegate import FIXTURE_TOOLS, RecordingDelegate
 
 
@@ -85,3 +86,16 @@ async def test_the_error_text_of_a_huge_message_is_made_in_linear_time(
     result = await run(session, 'throw new Error("eval at ".repeat(200000))')
     assert result.error_text is not None
     assert result.error_text.startswith("Error: " + "eval at " * 1000)
+
+
+async def test_the_json_values_of_unsettled_tool_inputs_are_bounded(session: LocalSession) -> None:
+    # Three characters of `{}` decode to ≈90 bytes of Python: a call of 44 million of them,
+    # within the bound on characters, took 3 GB and stalled the event loop for seconds.
+    result = await run(
+        session,
+        "try { await tools.echo({a: new Array(5_000_000).fill({})}) } catch (e) { text(e) }\n"
+        'const csv = "a,b:c\\n".repeat(2_000_000);\n'  # separators inside a string do not count
+        "text(String((await tools.echo({csv})).csv === csv))",
+    )
+    assert result.error_text is None
+    assert result.content_items == [InputText(PENDING_VALUES_TOO_MANY), InputText("true")]

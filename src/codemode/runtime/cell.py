@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from enum import Enum
@@ -71,12 +72,34 @@ PENDING_INPUTS_TOO_LARGE: Final = (
     "tool call refused: the unsettled tool inputs and notifications of this session would "
     f"exceed {MAX_PENDING_INPUT_CHARS} characters"
 )
+#: The most JSON values (keys included) those unsettled tool inputs may hold. A value costs Python
+#: far more than its characters once decoded (an empty object: 3 characters, ≈90 bytes), so the
+#: characters alone let one call of `[{},{},…]` take gigabytes.
+MAX_PENDING_INPUT_VALUES: Final = 4 * 1024 * 1024
+PENDING_VALUES_TOO_MANY: Final = (
+    "tool call refused: the unsettled tool inputs of this session would hold more than "
+    f"{MAX_PENDING_INPUT_VALUES} JSON values"
+)
+#: A JSON string (for taking strings out before counting values).
+_JSON_STRING: Final = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
 #: Error texts longer than this are cut (a cell can throw a string of any size). As large as the
 #: output one observation may buffer: the upstream host keeps a thrown string of megabytes whole.
 MAX_ERROR_TEXT_CHARS: Final = 16 * 1024 * 1024
 
 
 _FINISHING: set[asyncio.Task[None]] = set()
+
+
+def _json_values(text: str, room: int) -> int | None:
+    """How many values (keys included) JSON ``text`` holds at most, or ``None`` when more than
+    ``room``. Counted from its separators (C-speed scans); only when those exceed ``room`` are the
+    strings, whose own commas and colons count too, taken out first."""
+    count = text.count(",") + text.count(":") + text.count("[") + text.count("{") + 1
+    if count <= room:
+        return count
+    bare = _JSON_STRING.sub("", text)
+    count = bare.count(",") + bare.count(":") + bare.count("[") + bare.count("{") + 1
+    return count if count <= room else None
 
 
 def _log_undelivered(result: CallbackResult) -> None:
@@ -333,6 +356,13 @@ class Cell:
         if self._session.pending_input_chars + size > MAX_PENDING_INPUT_CHARS:
             self._engine.send_result(self.key, call_id, False, PENDING_INPUTS_TOO_LARGE)
             return
+        values = 0
+        if input_json is not None:
+            room = MAX_PENDING_INPUT_VALUES - self._session.pending_input_values
+            if (counted := _json_values(input_json, room)) is None:
+                self._engine.send_result(self.key, call_id, False, PENDING_VALUES_TOO_MANY)
+                return
+            values = counted
         try:
             arguments = None if input_json is None else _DECODER.decode(input_json)
         except (msgspec.DecodeError, RecursionError):  # the prelude bounds depth; the engine
@@ -351,7 +381,7 @@ class Cell:
         )
         if task is not None:  # an eagerly started tool may already have answered
             self._calls[call_id] = (task, token)
-            self._session.hold_callback(task, size)
+            self._session.hold_callback(task, size, values)
 
     def _settle_call(self, call_id: str, token: CancellationToken, result: CallbackResult) -> None:
         self._calls.pop(call_id, None)
