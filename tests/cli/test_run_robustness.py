@@ -317,3 +317,49 @@ def test_short_yields_on_a_terminal_print_progress_at_most_once_a_second() -> No
     assert done.returncode == 0, bytes(written)
     assert b"\nok\n" in done.stdout
     assert 1 <= written.count(b"still running") <= 2, bytes(written[-500:])
+
+
+def test_control_characters_of_a_cell_reach_a_terminal_escaped() -> None:
+    # A cell's text went raw to the terminal: it could recolour it, set its title, write the
+    # clipboard (OSC 52) or rewrite the "Script completed" header with a carriage return.
+    import pty
+    import threading
+
+    primary, secondary = pty.openpty()
+    written = bytearray()
+
+    def drain() -> None:
+        while True:
+            try:
+                chunk = os.read(primary, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            written.extend(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    source = b'text("A\\x1b[31mRED\\x1b]0;TITLE\\x07\\rZ\\u009b\\ttab"); notify("\\x1b[2J")'
+    try:
+        done = subprocess.run(
+            [*CODEMODE, "run", "-"],
+            input=source,
+            stdout=secondary,
+            stderr=secondary,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(secondary)
+        reader.join(10)
+        os.close(primary)
+    assert done.returncode == 0, bytes(written)
+    assert b"\x1b" not in written and b"\x07" not in written and "\x9b".encode() not in written
+    assert b"A\\x1b[31mRED\\x1b]0;TITLE\\x07\\x0dZ\\u009b\ttab" in written
+    assert b"notify: \\x1b[2J" in written
+    # Piped, the text is the cell's own.
+    piped = subprocess.run(
+        [*CODEMODE, "run", "-"], input=source, capture_output=True, timeout=60, check=False
+    )
+    assert "A\x1b[31mRED\x1b]0;TITLE\x07\rZ\x9b\ttab".encode() in piped.stdout

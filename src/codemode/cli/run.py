@@ -11,7 +11,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from typing import Final
+from typing import Final, TextIO
 
 from codemode.cli.common import (
     engine_arguments,
@@ -70,9 +70,23 @@ def _describe_item(item: ContentItem) -> str:
     return f"[{kind}: {shown}{detail}]"
 
 
+#: What a cell's text could steer a terminal with (colours, cursor moves, a window title, the
+#: clipboard, a line rewritten with a carriage return): control characters other than tab and
+#: newline, shown as escapes on a terminal.
+_TERMINAL_ESCAPES: Final = {
+    code: f"\\x{code:02x}" for code in (*range(0x20), 0x7F) if code not in (0x09, 0x0A)
+} | {code: f"\\u{code:04x}" for code in range(0x80, 0xA0)}
+
+
+def _for(stream: TextIO, text: str) -> str:
+    """``text`` as it may be written to ``stream``: escaped if that is a terminal."""
+    return text.translate(_TERMINAL_ESCAPES) if stream.isatty() else text
+
+
 def _print_rendered(response: RuntimeResponse, seconds: float, max_tokens: int | None) -> None:
     rendered = render_response(response, seconds, max_tokens)
-    print("\n".join(_describe_item(item) for item in rendered.items), flush=True)
+    text = "\n".join(_describe_item(item) for item in rendered.items)
+    print(_for(sys.stdout, text), flush=True)
 
 
 def _mcp_server(text: str) -> tuple[str, list[str]]:
@@ -211,7 +225,7 @@ async def _run(args: argparse.Namespace, source: str | None) -> int:
     assert source is not None
 
     def show_notification(call_id: str, cell_id: CellId, text: str) -> None:
-        print(f"notify: {text}", file=sys.stderr, flush=True)
+        print(_for(sys.stderr, f"notify: {text}"), file=sys.stderr, flush=True)
 
     try:
         parsed = parse_exec_source(source)
