@@ -817,6 +817,57 @@ async def test_in_flight_requests_are_bounded(provider: LocalSessionProvider) ->
         await host.aclose()
 
 
+@pytest.mark.timeout(60)
+async def test_answers_to_the_hosts_requests_are_not_in_flight_requests(
+    provider: LocalSessionProvider,
+) -> None:
+    # Decision 0018: CompleteToolCall and AcknowledgeNotification answer the host's own requests
+    # (V1 delegate responses, which never count, protocol-v1.md §8.7): a busy host takes them.
+    host = GrpcHost(provider, options=GrpcHostOptions(max_in_flight_requests=2))
+    channel, stub = await _connect(host)
+    try:
+        lease = await _open(stub)
+        subscription = stub.SubscribeToToolCalls(
+            pb.SubscribeToToolCallsRequest(session_id=lease.session_id)
+        )
+        idle = _execute(stub, lease, "await new Promise(() => {})", yield_time_ms=10)
+        idle_cell = (await _started(idle)).cell_id
+        await _outcome(idle)
+        waiting = stub.Wait(_wait(lease, idle_cell, 60_000))  # holds one slot
+        call = _execute(
+            stub,
+            lease,
+            "notify('n'); text(JSON.stringify(await tools.echo({})))",
+            tools=(ECHO,),
+            yield_time_ms=30_000,
+        )
+        await _started(call)  # the Execute stream holds the other slot
+        refused = await _status(stub.Wait(_wait(lease, idle_cell, 0)))
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        notification = (await lease.until("notification")).notification
+        await stub.AcknowledgeNotification(
+            pb.AcknowledgeNotificationRequest(
+                session_id=lease.session_id, notification_id=notification.notification_id
+            )
+        )
+        tool_call = await asyncio.wait_for(subscription.read(), 10)
+        await stub.CompleteToolCall(
+            pb.CompleteToolCallRequest(
+                session_id=lease.session_id,
+                invocation_id=tool_call.invocation_id,
+                succeeded=pb.ToolCallSucceeded(output_json=b'{"ok":true}'),
+            )
+        )
+        outcome = await _outcome(call)
+        assert outcome.WhichOneof("outcome") == "completed"
+        assert _texts(outcome) == ['{"ok":true}']
+        waiting.cancel()
+        subscription.cancel()
+    finally:
+        await channel.close()
+        await host.aclose()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 async def test_messages_of_64_mib_are_accepted(stub: Stub) -> None:

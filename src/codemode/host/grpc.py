@@ -692,6 +692,8 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
 
     @contextlib.contextmanager
     def _in_flight(self) -> Iterator[None]:
+        # The client's own requests only: answers to the host's (CompleteToolCall,
+        # AcknowledgeNotification) never count (decision 0018).
         host = self._host
         if host._in_flight >= host.options.max_in_flight_requests:
             raise _Status(
@@ -818,37 +820,35 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
     async def CompleteToolCall(
         self, request: pb.CompleteToolCallRequest, context: Context
     ) -> pb.CompleteToolCallResponse:
+        # Not an in-flight request (decision 0018): it answers the host's own ToolCall, as a V1
+        # delegate response does (protocol-v1.md §8.7), bounded by the pending invocations;
+        # refused on a busy host, the client fails its whole session (§6.3).
         try:
-            with self._in_flight():
-                session = self._session(request.session_id)
-                invocation_id = self._identifier("invocation_id", request.invocation_id)
-                invocation = session.invocations.pop(invocation_id, None)
-                if invocation is None:
-                    raise _Status(
-                        grpc.StatusCode.NOT_FOUND, texts.unknown_invocation(invocation_id)
-                    )
-                session.pending -= 1
-                future = invocation.future
-                outcome = request.WhichOneof("outcome")
-                if outcome == "succeeded":
-                    try:
-                        value = strict_json.loads(request.succeeded.output_json)
-                    except strict_json.JSONError as error:
-                        future.set_exception(
-                            CodeModeError(texts.CLIENT_RETURNED_INVALID_TOOL_RESULT)
-                        )
-                        raise _Status(
-                            grpc.StatusCode.INVALID_ARGUMENT, texts.invalid_tool_result(str(error))
-                        ) from None
-                    future.set_result(value)
-                elif outcome == "failed":
-                    future.set_exception(CodeModeError(request.failed.message))
-                else:
+            session = self._session(request.session_id)
+            invocation_id = self._identifier("invocation_id", request.invocation_id)
+            invocation = session.invocations.pop(invocation_id, None)
+            if invocation is None:
+                raise _Status(grpc.StatusCode.NOT_FOUND, texts.unknown_invocation(invocation_id))
+            session.pending -= 1
+            future = invocation.future
+            outcome = request.WhichOneof("outcome")
+            if outcome == "succeeded":
+                try:
+                    value = strict_json.loads(request.succeeded.output_json)
+                except strict_json.JSONError as error:
                     future.set_exception(CodeModeError(texts.CLIENT_RETURNED_INVALID_TOOL_RESULT))
                     raise _Status(
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        texts.invalid_tool_result(texts.TOOL_RESULT_OMITTED_OUTCOME),
-                    )
+                        grpc.StatusCode.INVALID_ARGUMENT, texts.invalid_tool_result(str(error))
+                    ) from None
+                future.set_result(value)
+            elif outcome == "failed":
+                future.set_exception(CodeModeError(request.failed.message))
+            else:
+                future.set_exception(CodeModeError(texts.CLIENT_RETURNED_INVALID_TOOL_RESULT))
+                raise _Status(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    texts.invalid_tool_result(texts.TOOL_RESULT_OMITTED_OUTCOME),
+                )
         except _Status as status:
             await self._abort(context, status)
         return pb.CompleteToolCallResponse()
@@ -856,24 +856,24 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
     async def AcknowledgeNotification(
         self, request: pb.AcknowledgeNotificationRequest, context: Context
     ) -> pb.AcknowledgeNotificationResponse:
+        # Not an in-flight request either (see CompleteToolCall): without it the cell never ends.
         try:
-            with self._in_flight():
-                session = self._session(request.session_id)
-                notification_id = self._identifier("notification_id", request.notification_id)
-                future = session.notifications.pop(notification_id, None)
-                if future is None:
-                    if notification_id in session.retired_notifications:
-                        raise _Status(
-                            grpc.StatusCode.ALREADY_EXISTS,
-                            texts.notification_already_retired(notification_id),
-                        )
+            session = self._session(request.session_id)
+            notification_id = self._identifier("notification_id", request.notification_id)
+            future = session.notifications.pop(notification_id, None)
+            if future is None:
+                if notification_id in session.retired_notifications:
                     raise _Status(
-                        grpc.StatusCode.NOT_FOUND, texts.unknown_notification(notification_id)
+                        grpc.StatusCode.ALREADY_EXISTS,
+                        texts.notification_already_retired(notification_id),
                     )
-                session.pending -= 1
-                session.retired_notifications.add(notification_id)
-                if not future.done():
-                    future.set_result(None)
+                raise _Status(
+                    grpc.StatusCode.NOT_FOUND, texts.unknown_notification(notification_id)
+                )
+            session.pending -= 1
+            session.retired_notifications.add(notification_id)
+            if not future.done():
+                future.set_result(None)
         except _Status as status:
             await self._abort(context, status)
         return pb.AcknowledgeNotificationResponse()
