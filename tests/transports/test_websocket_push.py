@@ -209,6 +209,54 @@ async def test_a_peer_that_dies_inside_a_message_fails_the_connection(
     await transport.close()
 
 
+def fragments(message: bytes, size: int) -> list[bytes]:
+    """``message`` in fragments of ``size`` bytes, a few empty ones among them."""
+    chunks = [message[i : i + size] for i in range(0, len(message), size)]
+    for place in (1, 100, 4000):
+        chunks.insert(place, b"")
+    return chunks
+
+
+@pytest.mark.timeout(30)
+async def test_a_message_in_any_number_of_fragments_is_taken_on_both_sides(
+    listener: Listener,
+) -> None:
+    # More fragments than the 4096 once allowed (Go's gorilla/websocket writes one frame per
+    # 4 KiB: 16 MiB and more came in over 4096); only the message size is bounded.
+    client, accepted = await dial(listener)
+    host = WebSocketTransport(accepted)
+    peer = WebSocketTransport(client, pause_while_backlogged=False)
+    seen: list[bytes] = []
+    host.push_to(lambda data, lane: seen.append(data))
+    upward = frame(bytes(range(256)) * 2400)  # 614,400 bytes in 6,144 fragments
+    await client.send(fragments(upward, 100))
+    await until(lambda: bool(seen))
+    assert seen == [upward]
+    downward = frame(b"d" * 500_000)
+    await accepted.send(fragments(downward, 64))  # 7,813 fragments
+    assert await peer.receive() == (downward, Lane.CONTROL)
+    await peer.close()
+    await host.close()
+
+
+@pytest.mark.timeout(30)
+async def test_a_message_of_endless_empty_fragments_fails_the_connection(
+    listener: Listener,
+) -> None:
+    # They add nothing to its size, so the size limit alone would never end it.
+    client, transport, seen = await dial_pushing(listener)
+    client.transport.write(bytes([0x02, 0x81]) + b"\0\0\0\0" + b"x")  # a first fragment
+    empty = bytes([0x00, 0x80]) + b"\0\0\0\0"  # masked CONT frames without payload
+    client.transport.write(empty * 4097)
+    with pytest.raises(
+        TransportError, match=r"^WebSocket closed with code 1009: too many empty fragments$"
+    ):
+        await transport.receive()
+    assert seen == []
+    await transport.close()
+    await client.close()
+
+
 async def test_dual_pair_pushes_both_lanes_and_either_end_ends_it(listener: Listener) -> None:
     client_control, host_control = await dial(listener)
     host = WebSocketTransport(host_control)

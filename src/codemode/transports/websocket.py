@@ -53,8 +53,10 @@ CLOSE_TIMEOUT: Final = 1.0
 #: What a pushed message goes to: ``sink(frame, lane)``, in the iteration that read it.
 Sink = Callable[[bytes, Lane], None]
 
-#: Fragments one message may have (the library's own limit for ``recv()``).
-_MAX_FRAGMENTS: Final = 4096
+#: Empty fragments one message may have. The size limit bounds the others (each brings at least
+#: a byte), but not these: an endless message of empty frames would never end. Any number of
+#: non-empty fragments is taken (Go's gorilla/websocket sends one frame per 4 KiB).
+_MAX_EMPTY_FRAGMENTS: Final = 4096
 
 
 class _Pushing(Connection):
@@ -66,7 +68,11 @@ class _Pushing(Connection):
         super().__init__(*args, **kwargs)
         self._socket: _Socket | None = None
         self._waiting: list[tuple[bytes, bool]] = []  # (message, is text) before a claim
-        self._fragments: list[bytes] = []
+        # The message being assembled, one buffer whatever its fragments: memory stays within
+        # the message size limit the library enforces (a list of fragments cost ~40 bytes more
+        # per fragment, so it needed a count limit, which refused 16 MiB in 4 KiB frames).
+        self._partial: bytearray | None = None
+        self._empty_fragments = 0
         self._text = False
         self._reading = True
         self._lost = False
@@ -97,7 +103,7 @@ class _Pushing(Connection):
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
         self._lost = True
-        self._fragments.clear()
+        self._partial = None
         if self._socket is not None:
             self._socket.lost()
 
@@ -112,20 +118,25 @@ class _Pushing(Connection):
         data = frame.data
         if frame.opcode is not Opcode.CONT:
             self._text = frame.opcode is Opcode.TEXT
-        fragments = self._fragments
-        if frame.fin and not fragments:
+        partial = self._partial
+        if frame.fin and partial is None:
             message = data if type(data) is bytes else bytes(data)
         else:
-            if len(fragments) >= _MAX_FRAGMENTS:
-                fragments.clear()
-                self.protocol.fail(CloseCode.MESSAGE_TOO_BIG, "too many fragments")
-                self.send_data()
-                return
-            fragments.append(bytes(data))
+            if partial is None:
+                partial = self._partial = bytearray()
+                self._empty_fragments = 0
+            if not data:
+                self._empty_fragments += 1
+                if self._empty_fragments > _MAX_EMPTY_FRAGMENTS:
+                    self._partial = None
+                    self.protocol.fail(CloseCode.MESSAGE_TOO_BIG, "too many empty fragments")
+                    self.send_data()
+                    return
+            partial += data
             if not frame.fin:
                 return
-            message = b"".join(fragments)
-            fragments.clear()
+            message = bytes(partial)
+            self._partial = None
         socket = self._socket
         if socket is None:
             self._waiting.append((message, self._text))
