@@ -740,6 +740,29 @@ async def test_execution_id_reuse_and_invalid_requests(stub: Stub) -> None:
     assert error.details() == texts.invalid_execute_request(texts.tool_kind_unspecified("bad"))
 
 
+@pytest.mark.parametrize("value", [2**31, 2**64 - 1])
+async def test_max_output_tokens_past_an_i32_is_an_invalid_execute_request(
+    stub: Stub, value: int
+) -> None:
+    # A uint64 here, an i32 in the domain: V1's H6 text, not INTERNAL (grpc.md §12.1).
+    lease = await _open(stub)
+    request = pb.ExecuteRequest(
+        session_id=lease.session_id,
+        execution_id=str(uuid.uuid4()),
+        tool_call_id="call-1",
+        source="text(1)",
+        max_output_tokens=value,
+    )
+    error = await _status(stub.Execute(request).read())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details() == (
+        "invalid code-mode execute request: out of range integral type conversion attempted"
+    )
+    call = _execute(stub, lease, "text(2)")  # the session goes on
+    await _started(call)
+    assert _texts(await _outcome(call)) == ["2"]
+
+
 async def test_invalid_limits_are_refused(stub: Stub) -> None:
     request = pb.OpenSessionRequest(
         cell_execution_limits=pb.SessionCellExecutionLimits(max_heap_size_bytes=0)

@@ -6,6 +6,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from codemode.protocol.constants import I32_MAX
 from codemode.protocol.types import (
     CellId,
     CodeModeNestedToolCall,
@@ -59,7 +60,7 @@ execute_requests = st.builds(
     source=text,
     enabled_tools=st.lists(tool_definitions, max_size=3),
     yield_time_ms=st.none() | u64,
-    max_output_tokens=st.none() | u64,
+    max_output_tokens=st.none() | st.integers(0, I32_MAX),  # an i32 in the domain
 )
 wait_requests = st.builds(WaitRequest, cell_ids, u64)
 limits = st.builds(CodeModeSessionCellExecutionLimits, st.none() | u64, st.none() | u64)

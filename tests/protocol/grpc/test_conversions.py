@@ -40,6 +40,7 @@ from codemode.protocol.types import (
 from tests.protocol.grpc import strategies as s
 
 U64_MAX = 2**64 - 1
+I32_MAX = 2**31 - 1
 OUT_OF_RANGE = "out of range integral type conversion attempted"
 M = TypeVar("M", bound=Message)
 
@@ -499,12 +500,12 @@ def test_an_execute_request_keeps_schemas_namespaces_and_limits() -> None:
             )
         ],
         yield_time_ms=0,
-        max_output_tokens=U64_MAX,
+        max_output_tokens=I32_MAX,
     )
     proto = wire(c.execute_request_to_proto(request, session_id="s", execution_id="e"))
     assert proto.HasField("yield_time_ms")
     assert proto.yield_time_ms == 0
-    assert proto.max_output_tokens == U64_MAX
+    assert proto.max_output_tokens == I32_MAX
     assert proto.enabled_tools[0].input_schema_json == b"{}"
     assert proto.enabled_tools[0].tool_name.namespace == "mcp__fs"
     assert c.execute_request_to_domain(proto) == request
@@ -524,6 +525,15 @@ def test_execute_request_integers_out_of_range_are_refused(field: str, value: in
     with pytest.raises(WireConversionError) as raised:
         c.execute_request_to_proto(request, session_id="s", execution_id="e")
     assert str(raised.value) == OUT_OF_RANGE
+
+
+@pytest.mark.parametrize("value", [I32_MAX + 1, U64_MAX])
+def test_max_output_tokens_past_an_i32_is_an_invalid_execute_request(value: int) -> None:
+    # A uint64 on this wire, an i32 in the domain: the host answers as V1's H6 does.
+    proto = pb.ExecuteRequest(tool_call_id="c", max_output_tokens=value)
+    with pytest.raises(WireConversionError) as raised:
+        c.execute_request_to_domain(proto)
+    assert str(raised.value) == f"invalid code-mode execute request: {OUT_OF_RANGE}"
 
 
 @pytest.mark.parametrize(

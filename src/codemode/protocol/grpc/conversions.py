@@ -23,7 +23,7 @@ from typing import Final
 
 from codemode.errors import WireConversionError
 from codemode.protocol import strict_json
-from codemode.protocol.constants import U64_MAX
+from codemode.protocol.constants import I32_MAX, U64_MAX
 from codemode.protocol.delegation import CallbackFailed, ToolReturned
 from codemode.protocol.grpc import texts
 from codemode.protocol.grpc import v1_pb2 as pb
@@ -406,15 +406,23 @@ def execute_request_to_proto(
 
 def execute_request_to_domain(request: pb.ExecuteRequest) -> ExecuteRequest:
     """Convert an execute request (host side): ``tool_call_id`` is checked (§3), then every tool
-    definition. ``session_id`` and ``execution_id`` are the caller's to check, first."""
+    definition, then ``max_output_tokens``, a uint64 here but an i32 in the domain
+    (``invalid code-mode execute request: out of range integral type conversion attempted``, V1's
+    H6 for a value out of its range). ``session_id`` and ``execution_id`` are the caller's to
+    check, first."""
+    tool_call_id = check_request_identifier("tool_call_id", request.tool_call_id)
+    enabled_tools = [tool_definition_to_domain(tool) for tool in request.enabled_tools]
+    max_output_tokens = None
+    if request.HasField("max_output_tokens"):
+        max_output_tokens = request.max_output_tokens
+        if max_output_tokens > I32_MAX:
+            raise WireConversionError(texts.invalid_execute_request(WireConversionError().message))
     return ExecuteRequest(
-        tool_call_id=check_request_identifier("tool_call_id", request.tool_call_id),
+        tool_call_id=tool_call_id,
         source=request.source,
-        enabled_tools=[tool_definition_to_domain(tool) for tool in request.enabled_tools],
+        enabled_tools=enabled_tools,
         yield_time_ms=request.yield_time_ms if request.HasField("yield_time_ms") else None,
-        max_output_tokens=(
-            request.max_output_tokens if request.HasField("max_output_tokens") else None
-        ),
+        max_output_tokens=max_output_tokens,
     )
 
 
