@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from websockets.protocol import State
 
 from codemode.host.websocket import WebSocketAddress, WebSocketHost
 from codemode.protocol.constants import (
@@ -446,6 +447,26 @@ async def test_a_reused_bulk_token_is_refused_with_404(provider: LocalSessionPro
         await bulk.expect_closed()
         # ... and once it ended, its token is still no good.
         assert (await refused(bulk_address(host.url, token))).status == 404
+        await still_serving(host.url)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("end", ["close", "abort"])
+async def test_a_bulk_token_expires_with_its_control_socket(
+    provider: LocalSessionProvider, end: str
+) -> None:
+    # §7.3: an expired token is 404, and it expires when its control socket ends, not at the
+    # pairing timeout (it used to pair for up to 10 s, and the bulk socket was then closed).
+    async with listening(provider) as host:
+        control, token = await open_dual(host.url)
+        (transport,) = host._served.values()
+        if end == "close":
+            await control.close()
+        else:
+            control.ws.abort()
+        await eventually(lambda: transport.control.state is not State.OPEN)
+        assert (await refused(bulk_address(host.url, token))).status == 404
+        await eventually(lambda: not host._pairings)  # forgotten, not held until the timeout
         await still_serving(host.url)
 
 

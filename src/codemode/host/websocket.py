@@ -3,7 +3,7 @@ connections, each a single socket or a control + bulk pair.
 
 :class:`WebSocketHost` answers the HTTP side itself — ``GET /readyz``, 403 for browsers (any
 ``Origin``), 401 without the bearer token when one is configured, 404 for unknown paths and for
-unknown, expired or reused bulk tokens, 503 past ``max_connections`` or while shutting down —
+unknown, expired or reused bulk tokens (a token expires with its control socket too), 503 past ``max_connections`` or while shutting down —
 and hands every accepted control socket to a :class:`~codemode.host.v1.V1HostConnection`. A bulk
 socket is paired to its control connection by the single-use token of ``connection/ready``.
 """
@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.http11 import Request, Response
+from websockets.protocol import State
 
 from codemode.host.address import (
     DEFAULT_MAX_CONNECTIONS,
@@ -155,7 +156,14 @@ class WebSocketHost:
             return None
         if path.startswith(self._bulk_prefix):
             pairing = self._pairings.pop(path[len(self._bulk_prefix) :], None)
-            if pairing is None or pairing.arrived.done():
+            # A token dies with its control socket (§7.3: expired, 404) the moment that socket
+            # ends, not when the pairing timeout does nor once the connection's sessions are shut
+            # down: a bulk socket must not be accepted only to be closed.
+            if (
+                pairing is None
+                or pairing.arrived.done()
+                or pairing.transport.control.state is not State.OPEN
+            ):
                 return connection.respond(404, "unknown bulk connection token\n")
             self._bulk[connection] = pairing
             return None
@@ -181,10 +189,12 @@ class WebSocketHost:
     async def _serve_control(self, connection: ServerConnection) -> None:
         number = next(self._ids)
         transport = WebSocketTransport(connection)
+        tokens: list[str] = []
 
         async def pair_bulk(token: str) -> None:
             arrived = asyncio.get_running_loop().create_future()
             self._pairings[token] = _Pairing(transport, arrived)
+            tokens.append(token)
             try:
                 await arrived
             finally:
@@ -202,6 +212,10 @@ class WebSocketHost:
             outcome = "clean" if await served.serve() else "error"
         finally:
             del self._served[served]
+            for token in tokens:  # forgotten with the connection, not at the pairing timeout
+                pairing = self._pairings.pop(token, None)
+                if pairing is not None:
+                    pairing.arrived.cancel()
             await transport.close()
             failure = served.protocol.failure
             logger.info(
