@@ -94,6 +94,26 @@ async def test_open_session_needs_the_token(guarded: GrpcHost, metadata: Any) ->
     assert guarded.sessions == 0
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("scheme", ["bearer", "BEARER"])
+async def test_the_scheme_is_taken_in_any_case(guarded: GrpcHost, scheme: str) -> None:
+    # RFC 9110 §11.1: the authentication scheme is case-insensitive; the token is exact.
+    channel, stub = _stub(guarded)
+    async with channel:
+        lease = stub.OpenSession(
+            pb.OpenSessionRequest(), metadata=(("authorization", f"{scheme} {TOKEN}"),)
+        )
+        first = await lease.read()
+        assert first.WhichOneof("event") == "opened"
+        lease.cancel()
+        wrong = stub.OpenSession(
+            pb.OpenSessionRequest(), metadata=(("authorization", f"{scheme} {TOKEN.upper()}"),)
+        )
+        with pytest.raises(aio.AioRpcError) as caught:
+            await wrong.read()
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
 async def test_execute_needs_the_token_even_in_an_open_session(guarded: GrpcHost) -> None:
     channel, stub = _stub(guarded)
     async with channel:

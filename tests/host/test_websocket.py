@@ -418,6 +418,22 @@ async def test_the_bearer_token_is_required_on_both_sockets(
         await still_serving(host.url, TOKEN)
 
 
+@pytest.mark.timeout(30)
+async def test_the_bearer_scheme_is_taken_in_any_case(provider: LocalSessionProvider) -> None:
+    # RFC 9110 §11.1: the authentication scheme is case-insensitive; the token is exact.
+    async with listening(provider, token=TOKEN) as host:
+        for scheme in ("bearer", "BEARER"):
+            control = await open_single(host.url, [("Authorization", f"{scheme} {TOKEN}")])
+            await control.close()
+            wrong = [("Authorization", f"{scheme} {TOKEN.upper()}")]
+            assert (await refused(host.url, wrong)).status == 401
+        control, token = await open_dual(host.url, [("Authorization", f"bearer {TOKEN}")])
+        bulk = await open_bulk(host.url, token, [("Authorization", f"BEARER {TOKEN}")])
+        await open_session(control, 1)
+        await control.close()
+        await bulk.expect_closed()
+
+
 async def test_an_unknown_bulk_token_is_refused_with_404(provider: LocalSessionProvider) -> None:
     async with listening(provider) as host:
         control, token = await open_dual(host.url)

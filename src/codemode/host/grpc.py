@@ -14,11 +14,11 @@ observer, whose items stay buffered for the next observation. Statuses follow ``
 :func:`serve_grpc` runs a host until a stop event is set (the ``--listen grpc://`` command line).
 
 Authentication and TLS follow the WebSocket listener (``grpc.md`` §1): with a token, every
-``CodeModeHost`` rpc must carry the metadata ``authorization: Bearer <token>`` or it ends
-``UNAUTHENTICATED`` (checked by :class:`_BearerTokenInterceptor`, constant-time); the
-``grpc.health.v1.Health`` service stays open, as ``GET /readyz`` does on the WebSocket listener.
-With :class:`GrpcTls` the port serves TLS (``grpc.ssl_server_credentials``); the URL stays
-``grpc://`` (TLS is a property of the channel, not of the address).
+``CodeModeHost`` rpc must carry the metadata ``authorization: Bearer <token>`` (the scheme in any
+case) or it ends ``UNAUTHENTICATED`` (checked by :class:`_BearerTokenInterceptor`, the token in
+constant time); the ``grpc.health.v1.Health`` service stays open, as ``GET /readyz`` does on the
+WebSocket listener. With :class:`GrpcTls` the port serves TLS (``grpc.ssl_server_credentials``);
+the URL stays ``grpc://`` (TLS is a property of the channel, not of the address).
 """
 
 # ruff: noqa: E402 - grpc must be imported after GRPC_ENABLE_FORK_SUPPORT is set (below)
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import itertools
 import logging
 import os
@@ -52,6 +51,7 @@ from grpc import aio
 from codemode.errors import CodeModeError, EngineLimitError, WireConversionError
 from codemode.grpc_stubs import v1_pb2_grpc
 from codemode.host.address import bracketed, split_listen_url
+from codemode.host.auth import bearer_token_matches
 from codemode.protocol import strict_json
 from codemode.protocol.constants import (
     CALLBACK_GRACE,
@@ -205,7 +205,7 @@ class _BearerTokenInterceptor(aio.ServerInterceptor):
     ``UNAUTHENTICATED``; the comparison takes the same time wherever the tokens differ."""
 
     def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+        self._token = token.encode()
 
     def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
         given = b""
@@ -213,7 +213,7 @@ class _BearerTokenInterceptor(aio.ServerInterceptor):
             if key == AUTHORIZATION_KEY:
                 given = value if isinstance(value, bytes) else str(value).encode()
                 break
-        return hmac.compare_digest(given, self._expected)
+        return bearer_token_matches(given, self._token)
 
     async def intercept_service(
         self,

@@ -2,17 +2,17 @@
 connections, each a single socket or a control + bulk pair.
 
 :class:`WebSocketHost` answers the HTTP side itself — ``GET /readyz``, 403 for browsers (any
-``Origin``), 401 without the bearer token when one is configured, 404 for unknown paths and for
-unknown, expired or reused bulk tokens (a token expires with its control socket too), 503 past ``max_connections`` or while shutting down —
-and hands every accepted control socket to a :class:`~codemode.host.v1.V1HostConnection`. A bulk
-socket is paired to its control connection by the single-use token of ``connection/ready``.
+``Origin``), 401 without the bearer token (``Authorization: Bearer <token>``, the scheme in any
+case) when one is configured, 404 for unknown paths and for unknown, expired or reused bulk tokens
+(a bulk token expires with its control socket too), 503 past ``max_connections`` or while shutting
+down — and hands every accepted control socket to a :class:`~codemode.host.v1.V1HostConnection`. A
+bulk socket is paired to its control connection by the single-use token of ``connection/ready``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import itertools
 import logging
 import time
@@ -31,6 +31,7 @@ from codemode.host.address import (
     WebSocketAddress,
     is_loopback,
 )
+from codemode.host.auth import bearer_token_matches
 from codemode.host.v1 import HostOptions, V1HostConnection
 from codemode.protocol.constants import DUAL_WEBSOCKET_CAPABILITY, MAX_WEBSOCKET_MESSAGE_BYTES
 from codemode.session import CodeModeSessionProvider
@@ -87,7 +88,7 @@ class WebSocketHost:
         self._options = replace(options, capabilities=capabilities)
         self._provider = provider
         self._address = address
-        self._token = None if token is None else f"Bearer {token}".encode()
+        self._token = None if token is None else token.encode()
         self._max_connections = max_connections
         self._ping_interval = ping_interval
         self._ping_timeout = ping_timeout
@@ -146,7 +147,7 @@ class WebSocketHost:
             return connection.respond(403, "browsers may not connect to a code-mode host\n")
         if self._token is not None:
             given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, self._token):
+            if not bearer_token_matches(given, self._token):
                 return connection.respond(401, "a bearer token is required\n")
         if path == self._address.path:
             if self._stopping:
