@@ -27,16 +27,20 @@ from codemode.protocol.types import (
     JSON,
     CellId,
     CodeModeNestedToolCall,
+    CodeModeSessionCellExecutionLimits,
     ExecuteRequest,
     InputText,
     LiveCell,
+    MissingCell,
     Result,
     ToolDefinition,
     ToolName,
+    WaitOutcome,
     WaitRequest,
     Yielded,
 )
 from codemode.runtime import LocalSessionProvider
+from codemode.runtime.session import LocalSession
 from codemode.session import CancellationToken, CodeModeSessionDelegate
 
 ECHO = ToolDefinition("echo", ToolName("echo"), "echo")
@@ -443,6 +447,64 @@ async def _host_process(port: int) -> tuple[asyncio.subprocess.Process, str]:
     url = (await asyncio.wait_for(child.stdout.readline(), 30)).decode().strip()
     assert url.startswith("grpc://127.0.0.1:"), url
     return child, url
+
+
+class _TerminatingTwice(LocalSessionProvider):
+    """The embedded runtime, whose terminate answers as a second terminate during the first's
+    cleanup does (``exec cell ⟨id⟩ is already terminating``), deterministically."""
+
+    async def create_session_with_limits(
+        self, delegate: CodeModeSessionDelegate, limits: CodeModeSessionCellExecutionLimits
+    ) -> LocalSession:
+        session = await super().create_session_with_limits(delegate, limits)
+
+        async def terminate(cell_id: CellId) -> WaitOutcome:
+            raise CodeModeError(f"exec cell {cell_id} is already terminating")
+
+        session.terminate = terminate  # type: ignore[method-assign]
+        return session
+
+
+@pytest.mark.timeout(60)
+async def test_later_generations_name_public_ids_in_the_hosts_cell_texts() -> None:
+    """§13.8: after a reconnect, the host's fixed texts that name a cell (§12.2's passed-through
+    errors, a missing cell's error text) name its public id, as the client's own texts do."""
+    async with _TerminatingTwice() as runtime:
+        host = GrpcHost(runtime, "grpc://127.0.0.1:0")
+        await host.start()
+        provider = GrpcCodeModeSessionProvider(host.url)
+        channel = aio.insecure_channel(host.url.removeprefix("grpc://"))
+        try:
+            session = await provider.create_session(Delegate())
+            first = await session.execute(ExecuteRequest("c", "text(1)"))
+            await first.initial_response()
+            closing = pb.CloseSessionRequest(session_id=session.session_id)
+            await v1_pb2_grpc.CodeModeHostStub(channel).CloseSession(closing)
+            await eventually(lambda: not session.is_alive())
+            with pytest.raises(CodeModeError):  # the replacement is reported once
+                await session.execute(ExecuteRequest("c", "text(1)"))
+            running = await session.execute(
+                ExecuteRequest("c", "await new Promise(() => {})", yield_time_ms=60_000)
+            )
+            assert running.cell_id == CellId("g2:1")
+            # The initial response is the cell's observer on the host, so a wait is refused there.
+            initial = asyncio.ensure_future(running.initial_response())
+            with pytest.raises(CodeModeError) as caught:
+                await session.wait(WaitRequest(running.cell_id, 0))
+            assert str(caught.value) == "exec cell g2:1 already has an active observer"
+            with pytest.raises(CodeModeError) as caught:
+                await session.terminate(running.cell_id)
+            assert str(caught.value) == "exec cell g2:1 is already terminating"
+            missing = await session.wait(WaitRequest(CellId("g2:99"), 10))
+            assert isinstance(missing, MissingCell)
+            assert missing.response.cell_id == CellId("g2:99")
+            assert isinstance(missing.response, Result)
+            assert missing.response.error_text == "exec cell g2:99 not found"
+            initial.cancel()
+        finally:
+            await channel.close()
+            await provider.aclose()
+            await host.aclose()
 
 
 @pytest.mark.timeout(90)

@@ -181,7 +181,24 @@ def _never_a_cell(wire_id: str) -> bool:
 
 
 def _missing(cell_id: CellId) -> MissingCell:
-    return MissingCell(Result(cell_id, [], f"exec cell {cell_id} not found"))
+    return MissingCell(Result(cell_id, [], _not_found(str(cell_id))))
+
+
+def _not_found(cell_id: str) -> str:
+    return f"exec cell {cell_id} not found"
+
+
+def _observed(cell_id: str) -> str:
+    return f"exec cell {cell_id} already has an active observer"
+
+
+def _terminating(cell_id: str) -> str:
+    return f"exec cell {cell_id} is already terminating"
+
+
+#: The host's texts that name a cell (``runtime.md`` §13.9): the errors ``Wait`` and ``Terminate``
+#: pass through (§12.2). After a reconnect they are rewritten to name the public id (§13.8).
+_CELL_ERRORS: Final = (_observed, _terminating)
 
 
 def _quiet(task: asyncio.Future[Any]) -> None:
@@ -320,6 +337,23 @@ class _Binding:
         if not self._prefix:
             return response
         return dataclasses.replace(response, cell_id=CellId(self._public(response.cell_id.value)))
+
+    def _mapped_missing(self, response: RuntimeResponse) -> RuntimeResponse:
+        """A missing cell's outcome with public ids, its ``exec cell ⟨id⟩ not found`` included."""
+        mapped = self._mapped(response)
+        wire_id = response.cell_id.value
+        if self._prefix and isinstance(mapped, Result) and mapped.error_text == _not_found(wire_id):
+            mapped = dataclasses.replace(mapped, error_text=_not_found(self._public(wire_id)))
+        return mapped
+
+    def _mapped_error(self, error: CodeModeError, wire_id: str) -> CodeModeError:
+        """A passed-through host error that names cell ``wire_id`` (only exactly one of the
+        fixed texts, built from the id that was sent), naming its public id instead (§13.8)."""
+        if self._prefix and type(error) is CodeModeError:
+            for text in _CELL_ERRORS:
+                if error.message == text(wire_id):
+                    return CodeModeError(text(self._public(wire_id)))
+        return error
 
     @property
     def failure(self) -> str | None:
@@ -629,7 +663,7 @@ class _Binding:
         if _never_a_cell(key):
             return _missing(request.cell_id)
         if key in self._observing:
-            raise CodeModeError(f"exec cell {request.cell_id} already has an active observer")
+            raise CodeModeError(_observed(str(request.cell_id)))
         self._observing.add(key)
         try:
             retiring = self._retiring.get(key)
@@ -652,6 +686,11 @@ class _Binding:
             except asyncio.CancelledError:
                 self._retire_wait(key, wait_id)
                 raise
+            except CodeModeError as error:
+                mapped = self._mapped_error(error, key)
+                if mapped is error:
+                    raise
+                raise mapped from None
             finally:
                 if yielding is not None:
                     yielding.cancel()
@@ -669,7 +708,7 @@ class _Binding:
         if isinstance(outcome, LiveCell):
             await self._finished(self._cells.get(cell_id), outcome.response)
             return LiveCell(self._mapped(outcome.response))
-        return MissingCell(self._mapped(outcome.response))
+        return MissingCell(self._mapped_missing(outcome.response))
 
     def _yield_early(
         self, signal: asyncio.Event | None, **observation: str
@@ -737,7 +776,13 @@ class _Binding:
         )
         # Cancelled, the terminate goes on; its answer is discarded.
         self._keep(task)
-        response = await asyncio.shield(task)
+        try:
+            response = await asyncio.shield(task)
+        except CodeModeError as error:
+            mapped = self._mapped_error(error, wire_id)
+            if mapped is error:
+                raise
+            raise mapped from None
         return await self._checked_outcome(response, wire_id)
 
     # -- cells ---------------------------------------------------------------------------------------
