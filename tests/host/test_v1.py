@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import re
@@ -514,6 +515,32 @@ async def test_a_pending_tool_call_rejects_with_j4_when_the_client_disappears(
         client.close()
         assert await served.result() is True
     assert recording.recorders[0].outcomes == [J4]
+
+
+async def test_a_connection_that_ends_while_a_cell_waits_for_its_notification_fails_no_task(
+    provider: LocalSessionProvider,
+) -> None:
+    # The cell's end waited for its notification; the connection's end cancelled the initial
+    # response's waiter and the notification, and the end then went to that cancelled waiter
+    # before it had detached: "Task exception was never retrieved ... InvalidStateError".
+    errors: list[dict[str, Any]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _, context: errors.append(context))
+    try:
+        async with serving(provider) as served:
+            client = served.client
+            await client.handshake()
+            await client.open()
+            await client.execute(2, 'notify("x"); text(1)', yield_ms=2000)
+            while not isinstance(await client.receive(), DelegateRequestMessage):
+                pass
+            client.close()
+            assert await served.result() is True
+        gc.collect()
+        await asyncio.sleep(0.1)
+    finally:
+        loop.set_exception_handler(None)
+    assert errors == []
 
 
 # -- callbacks ----------------------------------------------------------------------------------------

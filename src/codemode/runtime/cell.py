@@ -209,7 +209,7 @@ class Cell:
         response is its first observer, as on the upstream host); the coroutine returned awaits
         the outcome that ends it (``early`` may end it sooner, through the yield timer's own
         path)."""
-        if self._observer is not None:
+        if self._watching() is not None:
             raise CodeModeError(f"exec cell {self.cell_id} already has an active observer")
         observer = _Observer(self._loop.create_future(), yield_ms)
         self._observer = observer
@@ -259,8 +259,17 @@ class Cell:
                 observer.yield_ms / 1000, self._yield_to, observer
             )
 
+    def _watching(self) -> _Observer | None:
+        """The attached observer, unless it vanished: its waiter was cancelled (the connection
+        ended, say) and has not run yet to detach it. What it would have had stays here."""
+        observer = self._observer
+        if observer is not None and observer.future.done():
+            self._detach()
+            return None
+        return observer
+
     def _yield_to(self, observer: _Observer) -> None:
-        if self._observer is observer and self._state is _State.RUNNING:
+        if self._watching() is observer and self._state is _State.RUNNING:
             self._deliver(Yielded(self.cell_id, self._drain()))
 
     def _drain(self) -> list[ContentItem]:
@@ -333,7 +342,7 @@ class Cell:
     def on_yield(self, turn: int) -> None:
         if self._state is not _State.RUNNING:
             return
-        if self._observer is not None and turn != self._yield_turn:
+        if self._watching() is not None and turn != self._yield_turn:
             self._yield_turn = turn
             self._deliver(Yielded(self.cell_id, self._drain()))
         elif not self._observed:
@@ -477,7 +486,7 @@ class Cell:
         self._error_text = error
         self._outcome = "completed" if error is None else "failed"
         self._state = _State.COMPLETED
-        if self._observer is not None:
+        if self._watching() is not None:
             self._deliver(self._completion())  # nobody waited for it: buffered 0
         else:
             self._completed_at = time.monotonic_ns()
