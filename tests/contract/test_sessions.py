@@ -156,13 +156,15 @@ async def test_two_terminates_at_once_of_a_completed_cell(harness: Harness) -> N
         await asyncio.sleep(0.01)
     else:
         pytest.fail("the store was never committed")
-    outcomes = await asyncio.gather(
-        session.terminate(CellId(cell)), session.terminate(CellId(cell))
+    first, second = await asyncio.gather(
+        session.terminate(CellId(cell)), session.terminate(CellId(cell)), return_exceptions=True
     )
-    assert sorted(outcomes, key=lambda outcome: isinstance(outcome, MissingCell)) == [
-        LiveCell(Result(CellId(cell), items("done"), None)),
-        missing(cell),
-    ]
+    assert first == LiveCell(Result(CellId(cell), items("done"), None))
+    # Missing, or (upstream, now and then) still terminating; never a text the spec lacks.
+    if isinstance(second, CodeModeError):
+        assert str(second) == f"exec cell {cell} is already terminating"
+    else:
+        assert second == missing(cell)
 
 
 async def test_s08_terminate_waits_for_notification_cancellation(harness: Harness) -> None:
