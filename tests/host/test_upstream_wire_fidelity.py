@@ -258,6 +258,19 @@ CASES: Final[dict[str, list[Step]]] = {
         delegate_response(1, {"type": "tool/result", "result": 1}),
         pause(0.3),
     ],
+    # delegate/cancel newest first, then the terminate's answer (both releases, every run).
+    "terminate with four tool calls pending": [
+        *OPENED,
+        execute(
+            2,
+            "for (let i = 0; i < 4; i++) tools.echo({i}); await new Promise(() => {})",
+            yield_ms=300,
+            enabled_tools=[ECHO],
+        ),
+        answered(),
+        terminate(3, "1"),
+        answered("cell/closed"),
+    ],
     "notification/delivered with an extra key": [
         *OPENED,
         execute(2, 'notify("n"); text("t")'),

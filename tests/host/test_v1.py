@@ -588,13 +588,14 @@ async def test_callbacks_past_1024_are_refused_and_notifications_dropped(
         body = WireRuntimeResponse(
             result=WireResultBody("1", [WireInputText('["ok 0","ok 1"]')], None)
         )
-        # The cell completed: its 1022 unanswered calls are revoked, then it closes.
+        # The cell completed: its 1022 unanswered calls are revoked (newest first, as upstream
+        # revokes them), then it closes.
         messages = await client.receive_until(CellClosed(S1, "1"))
         assert messages[-2:] == [
             ok(3, WaitCompleted(WireWaitOutcome(live_cell=body))),
             CellClosed(S1, "1"),
         ]
-        assert messages[:-2] == [DelegateCancel(i) for i in range(3, 1025)]
+        assert messages[:-2] == [DelegateCancel(i) for i in range(1024, 2, -1)]  # newest first
 
 
 async def test_a_notification_reaches_the_client(provider: LocalSessionProvider) -> None:
@@ -954,11 +955,10 @@ async def test_an_oversize_callback_rejects_with_j5(provider: LocalSessionProvid
         assert isinstance(body, WireResultBody) and body.error_text is None
         (item,) = body.content_items
         assert isinstance(item, WireInputText)
-        assert re.fullmatch(
-            r"code-mode delegate request exceeds the IPC frame limit: "
-            r"code-mode IPC frame length \d+ exceeds 67108864 bytes",
-            item.text,
-        ), item.text[:200]
+        # J5 as both upstream releases give it: the frame's own error text (docs/interop.md).
+        assert re.fullmatch(r"code-mode IPC frame length \d+ exceeds 67108864 bytes", item.text), (
+            item.text[:200]
+        )
         assert await client.receive() == CellClosed(S1, cell)
 
 

@@ -99,3 +99,12 @@ async def test_the_json_values_of_unsettled_tool_inputs_are_bounded(session: Loc
     )
     assert result.error_text is None
     assert result.content_items == [InputText(PENDING_VALUES_TOO_MANY), InputText("true")]
+
+
+async def test_notifications_do_not_count_against_the_output_limit(session: LocalSession) -> None:
+    # runtime.md §7: a notification's delivery never affects the cell. The second of these used
+    # to throw `exec cell output exceeds the limit of 67108864 characters`; upstream sends both.
+    result = await run(
+        session, 'notify("x".repeat(40_000_000)); notify("y".repeat(40_000_000)); text("ok")'
+    )
+    assert (result.content_items, result.error_text) == ([InputText("ok")], None)

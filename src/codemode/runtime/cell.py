@@ -500,7 +500,8 @@ class Cell:
     @staticmethod
     def _cancel(callbacks: dict[Any, CancellationToken]) -> list[asyncio.Future[Any]]:
         pending = [task for task in callbacks if not task.done()]
-        for token in list(callbacks.values()):
+        # Newest first, as the upstream host revokes a cell's callbacks (delegate/cancel).
+        for token in reversed(list(callbacks.values())):
             token.cancel()
         return pending
 

@@ -575,7 +575,7 @@ class HostProtocol(Endpoint[wire.ClientToHost, wire.HostToClient, ev.HostEvent])
             session.closed_cells.add(key)
             self._maybe_session_closed(session_id, session)
             return
-        for delegate_id in list(cell.callbacks):
+        for delegate_id in reversed(list(cell.callbacks)):  # newest first, as upstream
             self.revoke_callback(delegate_id)
         cell.close_requested = True  # after the revocations, which must not close the cell
         self._maybe_cell_closed(session_id, session, key, cell)

@@ -95,8 +95,10 @@ CALLBACK_REVOKED: Final = "code-mode callback was revoked"
 
 
 def callback_too_large(detail: str) -> str:
-    """J5: a tool call's request does not fit in one frame."""
-    return f"code-mode delegate request exceeds the IPC frame limit: {detail}"
+    """J5: a tool call's request does not fit in one frame. The frame's own error text, as both
+    upstream releases give it (the spec's J5 puts `code-mode delegate request exceeds the IPC
+    frame limit: ` before it; docs/interop.md)."""
+    return detail
 
 
 def callback_for_unknown_session(session_id: str) -> str:

@@ -80,8 +80,9 @@
     delete g[name];
   }
 
-  // Limits on what one cell sends out (characters, i.e. UTF-16 code units): its output items and
-  // notifications together, and the JSON text of one tool input. Above the carriers' own frame
+  // Limits on what one cell sends out (characters, i.e. UTF-16 code units): its output items (not
+  // its notifications, whose delivery never affects the cell: runtime.md §7, as upstream), and the
+  // JSON text of one tool input. Above the carriers' own frame
   // limits, so that those still answer with their own errors; below what would hurt the host.
   const MAX_OUTPUT_CHARS = 64 * 1024 * 1024;
   const MAX_TOOL_INPUT_CHARS = 128 * 1024 * 1024;
@@ -757,7 +758,6 @@
     if (finished) return;
     if (notifyBudget <= 0) throw 'notify exceeded the limit of ' + MAX_NOTIFICATIONS + ' notifications per cell';
     notifyBudget--;
-    charge(message);
     hostNotify(toWellFormed(message));
   }
 
