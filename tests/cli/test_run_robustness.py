@@ -363,3 +363,29 @@ def test_control_characters_of_a_cell_reach_a_terminal_escaped() -> None:
         [*CODEMODE, "run", "-"], input=source, capture_output=True, timeout=60, check=False
     )
     assert "A\x1b[31mRED\x1b]0;TITLE\x07\rZ\x9b\ttab".encode() in piped.stdout
+
+
+@pytest.mark.parametrize(
+    ("source", "extra", "status"),
+    [
+        (b'text("x".repeat(1000000)); throw new Error("the cell failed")', (), 1),
+        (
+            b'text("x".repeat(1000000)); while (true) {}',
+            ("--timeout", "1", "--yield-ms", "100"),
+            124,
+        ),
+        (b'text("x".repeat(1000000))', (), 0),
+    ],
+    ids=["failed", "timed-out", "completed"],
+)
+def test_a_reader_that_stops_early_keeps_the_cells_status(
+    source: bytes, extra: tuple[str, ...], status: int
+) -> None:
+    # The command line turned a broken pipe into status 0: `codemode run cell.js | head` said
+    # a failed (or never-ending) cell had completed.
+    with started("run", "-", "--max-output-tokens", "1000000", *extra, stdin=source) as child:
+        assert child.stdout is not None and child.stderr is not None
+        child.stdout.read(100)
+        child.stdout.close()  # like `| head -c 100`
+        assert child.wait(timeout=30) == status
+        assert b"Traceback" not in child.stderr.read()

@@ -83,10 +83,26 @@ def _for(stream: TextIO, text: str) -> str:
     return text.translate(_TERMINAL_ESCAPES) if stream.isatty() else text
 
 
+def _discard(stream: TextIO) -> None:
+    """Point ``stream``'s descriptor at /dev/null: its reader went away (``| head``), and what
+    is still written to it (buffered text, a later line) is dropped instead of failing."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, stream.fileno())
+    os.close(devnull)
+
+
+def _say(text: str, stream: TextIO) -> None:
+    """Print ``text`` to ``stream``; a reader that went away ends the printing, not the run: the
+    cell goes on to its own end, which gives the exit status (1 failed, 124 timed out, ...)."""
+    try:
+        print(_for(stream, text), file=stream, flush=True)
+    except BrokenPipeError:
+        _discard(stream)
+
+
 def _print_rendered(response: RuntimeResponse, seconds: float, max_tokens: int | None) -> None:
     rendered = render_response(response, seconds, max_tokens)
-    text = "\n".join(_describe_item(item) for item in rendered.items)
-    print(_for(sys.stdout, text), flush=True)
+    _say("\n".join(_describe_item(item) for item in rendered.items), sys.stdout)
 
 
 def _mcp_server(text: str) -> tuple[str, list[str]]:
@@ -199,7 +215,7 @@ async def _stoppable(args: argparse.Namespace, source: str | None) -> int:
         for signum in _STOP_SIGNALS:
             loop.remove_signal_handler(signum)
     if received:
-        print(f"codemode: stopped by {received[0].name}", file=sys.stderr)
+        _say(f"codemode: stopped by {received[0].name}", sys.stderr)
         return 128 + received[0].value
     return status
 
@@ -225,7 +241,7 @@ async def _run(args: argparse.Namespace, source: str | None) -> int:
     assert source is not None
 
     def show_notification(call_id: str, cell_id: CellId, text: str) -> None:
-        print(_for(sys.stderr, f"notify: {text}"), file=sys.stderr, flush=True)
+        _say(f"notify: {text}", sys.stderr)
 
     try:
         parsed = parse_exec_source(source)
@@ -240,8 +256,11 @@ async def _run(args: argparse.Namespace, source: str | None) -> int:
                 return 2
             status = await _run_cell(args, parsed, registry, final)
     if final:
-        sys.stdout.buffer.write(final[0])
-        sys.stdout.flush()
+        try:
+            sys.stdout.buffer.write(final[0])
+            sys.stdout.flush()
+        except BrokenPipeError:
+            _discard(sys.stdout)
     return status
 
 
@@ -331,11 +350,7 @@ async def _run_cell(
                 observed_at = now
             elif progress and now - progress_at >= PROGRESS_INTERVAL:
                 progress_at = now
-                print(
-                    f"… cell {cell.cell_id} still running ({now - started_at:.1f} s)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                _say(f"… cell {cell.cell_id} still running ({now - started_at:.1f} s)", sys.stderr)
             if not isinstance(response, Yielded):
                 break
             if deadline is not None and now >= deadline:
@@ -355,9 +370,7 @@ async def _run_cell(
             final = Terminated(response.cell_id, collected)
         out.append(encode_payload(runtime_response_to_wire(final)) + b"\n")
     if timed_out and not isinstance(response, Result):
-        print(
-            f"codemode: the cell was terminated after --timeout {args.timeout:g} s", file=sys.stderr
-        )
+        _say(f"codemode: the cell was terminated after --timeout {args.timeout:g} s", sys.stderr)
         return TIMED_OUT
     failed = isinstance(response, Result) and response.error_text is not None
     return 1 if failed else 0
@@ -373,7 +386,7 @@ def _run_command(args: argparse.Namespace) -> int:
         print(f"codemode: {error}", file=sys.stderr)
         return 1
     except BrokenPipeError:
-        raise  # the reader of stdout went away: the command line's normal end
+        raise  # --describe's reader went away: the command line's normal end (status 0)
     except OSError as error:  # e.g. the engine's cache directory cannot be made
         print(f"codemode: {error}", file=sys.stderr)
         return 1
