@@ -403,6 +403,49 @@ async def test_non_json_results_are_rejected() -> None:
     assert message.startswith("tool `opaque` returned a value that is not JSON: ")
 
 
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        (float("nan"), "nan is not a JSON number"),
+        ({"ratios": [1.0, float("-inf")]}, "-inf is not a JSON number"),
+        ({(1, 2): "x"}, "Only dicts with str-like or number-like keys are supported"),
+        (["report\udcff.txt"], "a string holds the lone surrogate U+DCFF"),
+        (Summary(1, ["a\ud800"]), "a string holds the lone surrogate U+D800"),
+    ],
+    ids=["nan", "nested-inf", "tuple-key", "surrogate", "surrogate-in-struct"],
+)
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+async def test_every_non_json_result_names_the_tool(
+    value: object, reason: str, is_async: bool
+) -> None:
+    # to_builtins let these through: the runtime's encoding then refused them as "code-mode
+    # delegate returned a value that is not JSON", a text that names no tool.
+    registry = ToolRegistry()
+
+    def produce() -> Any:
+        return value
+
+    async def produce_async() -> Any:
+        return value
+
+    if is_async:
+        registry.tool(name="produce")(produce_async)
+    else:
+        registry.tool(name="produce")(produce)
+    message = await rejection(registry, call("produce"))
+    assert message == f"tool `produce` returned a value that is not JSON: {reason}"
+
+
+async def test_a_results_number_keys_become_the_strings_json_has() -> None:
+    registry = ToolRegistry()
+
+    @registry.tool
+    def by_id() -> dict[int, str]:
+        return {1: "a", 2: "b"}
+
+    assert await invoke(registry, call("by_id")) == {"1": "a", "2": "b"}
+
+
 async def test_mutable_defaults_are_fresh_per_call() -> None:
     registry = ToolRegistry()
 

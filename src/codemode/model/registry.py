@@ -26,6 +26,7 @@ from codemode.model.exec_tool import NamespaceDescription
 from codemode.model.tracing import CellSpans
 from codemode.model.worker_pool import shared_pool
 from codemode.protocol.constants import PUBLIC_TOOL_NAME, WAIT_TOOL_NAME
+from codemode.protocol.strict_json import non_finite_number
 from codemode.protocol.surrogates import well_formed
 from codemode.protocol.types import (
     JSON,
@@ -61,6 +62,7 @@ NotifyCallback = Callable[[str, CellId, str], Awaitable[None] | None]
 
 _EXEC_ITSELF: Final = "exec cannot invoke itself"
 _JSON_TYPES: Final = frozenset({dict, list, str, int, float, bool, type(None)})
+_RESULT_ENCODER: Final = msgspec.json.Encoder()
 _MUTABLE_DEFAULTS: Final = (list, dict, set, bytearray)
 
 
@@ -513,16 +515,25 @@ class Tool(Generic[P, R]):
     def _json(self, result: object) -> JSON:
         """The tool's result as JSON (models and structs converted)."""
         try:
-            return msgspec.to_builtins(result, enc_hook=pydantic_types.enc_hook)
+            # str_keys: keys become the strings JSON has (a tuple key is refused here).
+            value = msgspec.to_builtins(result, enc_hook=pydantic_types.enc_hook, str_keys=True)
+            # to_builtins lets NaN, infinities and lone surrogates through; the encoding that
+            # carries the result refuses them, with a text that no longer names the tool.
+            encoded = _RESULT_ENCODER.encode(value)
         except RecursionError:  # a cycle, or nesting deeper than the encoder goes
-            raise CodeModeError(
-                f"tool `{self.definition.name}` returned a value that is not JSON: it is nested "
-                "too deeply (or contains itself)"
-            ) from None
+            reason = "it is nested too deeply (or contains itself)"
+        except UnicodeEncodeError as error:
+            character = error.object[error.start]
+            reason = f"a string holds the lone surrogate U+{ord(character):04X}"
         except (TypeError, ValueError) as error:
-            raise CodeModeError(
-                f"tool `{self.definition.name}` returned a value that is not JSON: {error}"
-            ) from None
+            reason = str(error)
+        else:
+            if b"null" not in encoded or (number := non_finite_number(value)) is None:
+                return typing.cast(JSON, value)
+            reason = f"{number} is not a JSON number"
+        raise CodeModeError(
+            f"tool `{self.definition.name}` returned a value that is not JSON: {reason}"
+        )
 
 
 def _json_schema(flat: str, what: str, schema: Mapping[str, Any]) -> dict[str, JSON]:
