@@ -285,17 +285,17 @@ async def _tools(
     on_notify: NotifyCallback | None = None,
 ) -> ToolRegistry | None:
     """The tools of --tools and --mcp (servers started on ``servers``); None: a usage error."""
+    registry = ToolRegistry(on_notify=on_notify)
     try:
-        if args.tools:
-            registry = load_tool_file(args.tools, on_notify=on_notify)
-        else:
-            registry = ToolRegistry(on_notify=on_notify)
-        if args.tools and not registry.definitions():
-            print(
-                f"codemode: warning: {args.tools} defines no tools (only its public top-level "
-                "functions become tools)",
-                file=sys.stderr,
-            )
+        for path in args.tools or []:
+            before = len(registry.definitions())
+            load_tool_file(path, registry=registry)
+            if len(registry.definitions()) == before:
+                print(
+                    f"codemode: warning: {path} defines no tools (only its public top-level "
+                    "functions become tools)",
+                    file=sys.stderr,
+                )
         await _start_mcp_servers(servers, registry, args.mcp or [])
     except CodeModeError as error:
         print(f"codemode: {error}", file=sys.stderr)
@@ -413,9 +413,11 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     run.add_argument(
         "--tools",
+        action="append",
         metavar="PATH.py",
         help="Python file whose public top-level functions (sync or async) become tools, "
-        "typed by their hints as @tool does",
+        "typed by their hints as @tool does; it imports the modules beside it as a script would "
+        "(repeatable; a tool name defined twice is a usage error)",
     )
     run.add_argument(
         "--mcp",
