@@ -18,6 +18,7 @@ from codemode.runtime.engine import DEFAULT_MEMORY_CAP_BYTES
 
 __all__ = [
     "LOOPS",
+    "at_most",
     "engine_arguments",
     "local_provider",
     "loop_argument",
@@ -44,6 +45,21 @@ def non_negative(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
     return value
+
+
+def at_most(maximum: int, spelled: str) -> Callable[[str], int]:
+    """An argparse type: an integer from 0 to ``maximum`` (``spelled`` out in the error, e.g.
+    ``2^31 - 1``): a larger one is a usage error here, not a conversion failure in the run."""
+
+    def parse(text: str) -> int:
+        value = non_negative(text)
+        if value > maximum:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer from 0 to {maximum} ({spelled}), got {text!r}"
+            )
+        return value
+
+    return parse
 
 
 def positive(text: str) -> int:

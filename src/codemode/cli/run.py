@@ -14,10 +14,10 @@ from collections.abc import Iterator
 from typing import Final, TextIO
 
 from codemode.cli.common import (
+    at_most,
     engine_arguments,
     local_provider,
     loop_argument,
-    non_negative,
     positive_seconds,
     run_main,
 )
@@ -44,7 +44,9 @@ from codemode.protocol import (
 from codemode.protocol.constants import (
     DEFAULT_EXEC_YIELD_TIME_MS,
     DEFAULT_WAIT_YIELD_TIME_MS,
+    I32_MAX,
     MAX_FRAME_BYTES,
+    MAX_JS_SAFE_INTEGER,
 )
 from codemode.protocol.v1 import encode_payload
 from codemode.protocol.v1.conversions import runtime_response_to_wire
@@ -248,6 +250,15 @@ async def _run(args: argparse.Namespace, source: str | None) -> int:
     except CodeModeError as error:
         print(f"codemode: {error}", file=sys.stderr)
         return 2
+    if parsed.max_output_tokens is not None and parsed.max_output_tokens > I32_MAX:
+        # The pragma allows up to 2^53 - 1 (runtime.md §14); the request to the runtime then
+        # fails its conversion with a text that names neither the field nor the bound.
+        print(
+            f"codemode: exec pragma field `max_output_tokens` must be at most {I32_MAX} "
+            f"(2^31 - 1, what the runtime's protocol carries), got {parsed.max_output_tokens}",
+            file=sys.stderr,
+        )
+        return 2
     final: list[bytes] = []
     with _stdout_to_stderr() if args.json else contextlib.nullcontext():
         async with contextlib.AsyncExitStack() as servers:
@@ -428,10 +439,16 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "(repeatable; needs codemode[mcp])",
     )
     run.add_argument(
-        "--yield-ms", type=non_negative, metavar="N", help="yield time of each observation"
+        "--yield-ms",
+        type=at_most(MAX_JS_SAFE_INTEGER, "2^53 - 1, as the pragma allows"),
+        metavar="N",
+        help="yield time of each observation",
     )
     run.add_argument(
-        "--max-output-tokens", type=non_negative, metavar="N", help="output budget per observation"
+        "--max-output-tokens",
+        type=at_most(I32_MAX, "2^31 - 1, what the runtime's protocol carries"),
+        metavar="N",
+        help="output budget per observation",
     )
     run.add_argument(
         "--timeout",
