@@ -67,9 +67,9 @@ def _wire_frames(args: argparse.Namespace) -> int:
         return _print_frames(sys.stdin.buffer, args.type, args.wire_revision)
     try:
         stream = open(args.file, "rb")  # noqa: SIM115 - closed below; read errors stay apart
-    except OSError as error:
+    except OSError as error:  # a usage error, as `codemode run` reports a FILE it cannot read
         print(f"codemode: cannot read {args.file}: {error.strerror}", file=sys.stderr)
-        return 1
+        return 2
     with stream:
         return _print_frames(stream, args.type, args.wire_revision)
 
@@ -124,7 +124,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="decode a captured V1 byte stream, one message per line",
         description="Decode length-prefixed V1 frames from FILE (or - for stdin) and print each "
         "validated message as one line of canonical JSON. Errors go to stderr with the byte "
-        "offset of the frame; the exit status is 1 if any frame failed.",
+        "offset of the frame; the exit status is 1 if any frame failed, 2 if FILE cannot be "
+        "read.",
     )
     frames.add_argument("file", metavar="FILE", help="capture file, or - for stdin")
     frames.add_argument(
