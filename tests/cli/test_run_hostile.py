@@ -47,6 +47,22 @@ def test_a_cell_file_keeps_reading_as_text_mode_did(tmp_path: Path) -> None:
     assert result.stdout.endswith("Output:\n\n3\né\n".encode())
 
 
+@pytest.mark.parametrize("where", ["file", "stdin"])
+def test_a_byte_order_mark_does_not_hide_the_pragma(tmp_path: Path, where: str) -> None:
+    # An editor's UTF-8 BOM before `// @exec:` made the first line no pragma: silently ignored.
+    source = '\ufeff// @exec: {"max_output_tokens": 5}\ntext("x".repeat(400));\nnull.x\n'
+    cell = tmp_path / "cell.js"
+    cell.write_text(source, encoding="utf-8")
+    if where == "file":
+        result = codemode("run", str(cell), timeout=60)
+    else:
+        result = codemode("run", "-", stdin=source.encode(), timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert b"Warning: truncated output (original token count: 124)" in result.stdout
+    # The pragma line is counted: the error is on line 3 of the file.
+    assert result.stdout.endswith(b"tokens truncated\xe2\x80\xa6in.mjs:3:6\n"), result.stdout
+
+
 def test_a_pragma_nested_past_the_decoder_is_a_usage_error() -> None:
     source = b"// @exec: " + b"[" * 5000 + b"\ntext(1)\n"
     result = codemode("run", "-", stdin=source, timeout=60)

@@ -182,8 +182,10 @@ def _read_source(args: argparse.Namespace) -> str | None:
                 file=sys.stderr,
             )
             return None
-        # Line ends as text mode reads them (the source was read that way before).
-        return data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+        # Line ends as text mode reads them (the source was read that way before). utf-8-sig:
+        # the byte order mark an editor may save first is no text of the cell, and before the
+        # pragma it would hide it (the first line would not start with `// @exec:`).
+        return data.decode("utf-8-sig").replace("\r\n", "\n").replace("\r", "\n")
     except OSError as error:
         print(f"codemode: cannot read {args.file}: {error.strerror}", file=sys.stderr)
         return None
