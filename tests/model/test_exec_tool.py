@@ -116,6 +116,19 @@ def test_configured_default_yield_time_is_shown() -> None:
     assert "Defaults to 10000 ms." not in build_exec_description(default_yield_time_ms=2500)
 
 
+def test_a_console_is_not_denied_where_cells_have_one() -> None:
+    # With console=True the intro said "no console" and the helpers then documented console.log.
+    with_console = build_exec_description(console=True)
+    assert "no console" not in with_console
+    assert "- This is raw JavaScript only: no Node, no file system, no network access.\n" in (
+        with_console
+    )
+    assert "- `console.log(...values)`" in with_console
+    without = build_exec_description()
+    assert "no Node, no file system, no network access, no console.\n" in without
+    assert "console.log" not in without
+
+
 def test_store_load_omitted_when_disabled() -> None:
     description = build_exec_description(store_load=False)
     assert "store(" not in description

@@ -68,6 +68,8 @@ early with the output so far. Defaults to {yield_ms} ms.
 - When the module has been evaluated, the isolate ends and unawaited promises are silently \
 discarded."""
 
+_NO_CONSOLE: Final = ", no console."
+
 _DETAIL_TYPE: Final = '"auto" | "low" | "high" | "original" | null'
 _IMAGE_WITH_DETAIL: Final = (
     "- `image(imageUrlOrItem: string | { image_url: string; detail?: "
@@ -215,6 +217,10 @@ def build_exec_description(
     intro = _INTRO.replace("{yield_ms}", str(default_yield_time_ms)).replace(
         "{max_tokens}", str(DEFAULT_MAX_OUTPUT_TOKENS_PER_EXEC_CALL)
     )
+    if console:
+        # §15.1 item 5 says "no console" for the reference runtime's cells; this one has one,
+        # documented among the helpers below.
+        intro = intro.replace(_NO_CONSOLE, ".")
     sections = [intro, _helpers(store_load, image_detail, console)]
     if deferred_tools:
         sections.append(_DEFERRED_NOTE)
