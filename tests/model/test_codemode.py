@@ -189,6 +189,18 @@ def test_exec_description_options() -> None:
     assert "codex/imageDetail" not in description
 
 
+@pytest.mark.parametrize(("cap", "shown"), [(500, 500), (0, 0), (60_000, 10_000), (None, 10_000)])
+def test_exec_description_gives_the_default_yield_time_the_session_limits_make(
+    cap: int | None, shown: int
+) -> None:
+    # It said "Defaults to 10000 ms." whatever the session's max_yield_time_ms capped it to.
+    limits = CodeModeSessionCellExecutionLimits(max_yield_time_ms=cap)
+    description = CodeMode(sample_registry(), provider=FakeProvider(), limits=limits)
+    assert f"early with the output so far. Defaults to {shown} ms.\n" in (
+        description.exec_description()
+    )
+
+
 def test_exec_description_follows_tools_registered_later() -> None:
     registry = ToolRegistry()
     code_mode = CodeMode(registry)

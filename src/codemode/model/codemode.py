@@ -35,7 +35,11 @@ from codemode.model.handler import (
 )
 from codemode.model.registry import NotifyCallback, Tool, ToolRegistry
 from codemode.model.render import RenderedOutput
-from codemode.protocol.constants import PUBLIC_TOOL_NAME, WAIT_TOOL_NAME
+from codemode.protocol.constants import (
+    DEFAULT_EXEC_YIELD_TIME_MS,
+    PUBLIC_TOOL_NAME,
+    WAIT_TOOL_NAME,
+)
 from codemode.protocol.texts import SESSION_SHUTTING_DOWN
 from codemode.protocol.types import (
     JSON,
@@ -270,12 +274,18 @@ class CodeMode:
 
     def exec_description(self) -> str:
         """The ``exec`` tool description for the registry's current tools."""
+        # The session caps every observation's yield time (runtime.md §13.10): a pragma-less
+        # exec then yields at the cap, which is the default the model must be told (§15.1).
+        cap = self._limits.max_yield_time_ms
         return build_exec_description(
             self.registry.definitions(),
             code_mode_only=self._code_mode_only,
             namespace_descriptions=self.registry.namespace_descriptions(),
             store_load=self._store_load,
             image_detail=self._image_detail,
+            default_yield_time_ms=DEFAULT_EXEC_YIELD_TIME_MS
+            if cap is None
+            else min(cap, DEFAULT_EXEC_YIELD_TIME_MS),
             console=self._console,
         )
 
