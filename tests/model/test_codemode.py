@@ -375,19 +375,30 @@ async def test_a_given_session_is_not_shut_down_but_its_live_cells_are_terminate
     assert fake.shut_down == 0
 
 
-async def test_after_aclose_calls_fail_with_the_shutting_down_text(
+async def test_after_aclose_calls_fail_with_the_closed_text_or_the_sessions_own(
     fake: RecordingFakeSession,
 ) -> None:
+    # With a session given to it (left open), a closed CodeMode said the session was shutting
+    # down.
     code_mode = CodeMode(sample_registry(), session=fake)
     await code_mode.aclose()
     await code_mode.aclose()  # idempotent
-    failure = RenderedOutput([InputText(SHUTTING_DOWN)], success=False)
+    failure = RenderedOutput([InputText("code mode is closed")], success=False)
     assert await code_mode.handle_exec("call-1", "text(1)") == failure
     assert await code_mode.handle_wait('{"cell_id": "1"}') == failure
-    with pytest.raises(CodeModeError, match=SHUTTING_DOWN):
+    with pytest.raises(CodeModeError, match=r"^code mode is closed$"):
         await code_mode.start()
     assert fake.executed == []
     assert fake.waited == []
+    assert fake.shut_down == 0
+    # A session aclose shut down gives its own text.
+    provider = FakeProvider()
+    code_mode = CodeMode(sample_registry(), provider=provider)
+    await code_mode.handle_exec("call-1", "text(1)")
+    await code_mode.aclose()
+    assert provider.session.shut_down == 1
+    shut_down = RenderedOutput([InputText(SHUTTING_DOWN)], success=False)
+    assert await code_mode.handle_exec("call-2", "text(1)") == shut_down
 
 
 async def test_a_provider_session_is_opened_lazily_with_the_registry_and_limits() -> None:

@@ -4,7 +4,12 @@ the one object an agent loop needs."""
 
 from codemode.model.anthropic import AnthropicMessages
 from codemode.model.chat_completions import ChatCompletions, ChatReply
-from codemode.model.codemode import EXEC_CODE_ARGUMENT, CodeMode, exec_code_parameters
+from codemode.model.codemode import (
+    CODE_MODE_CLOSED,
+    EXEC_CODE_ARGUMENT,
+    CodeMode,
+    exec_code_parameters,
+)
 from codemode.model.exec_tool import (
     EXEC_GRAMMAR,
     NamespaceDescription,
@@ -47,6 +52,7 @@ from codemode.model.typescript import (
 )
 
 __all__ = [
+    "CODE_MODE_CLOSED",
     "EXEC_CODE_ARGUMENT",
     "EXEC_GRAMMAR",
     "AnthropicMessages",

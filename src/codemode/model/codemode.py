@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from codemode.model.anthropic import AnthropicMessages
     from codemode.model.chat_completions import ChatCompletions
 
-__all__ = ["EXEC_CODE_ARGUMENT", "CodeMode", "exec_code_parameters"]
+__all__ = ["CODE_MODE_CLOSED", "EXEC_CODE_ARGUMENT", "CodeMode", "exec_code_parameters"]
 
 _CUSTOM_CALL: Final = "custom_tool_call"
 _FUNCTION_CALL: Final = "function_call"
@@ -120,9 +120,9 @@ def _exec_code(arguments: object) -> str:
     return code
 
 
-def _shut_down() -> RenderedOutput:
-    """What a call after :meth:`CodeMode.aclose` gets: a shut-down session's failure text."""
-    return RenderedOutput([InputText(SESSION_SHUTTING_DOWN)], success=False)
+#: What a call after :meth:`CodeMode.aclose` gets when aclose did not shut a session down (one
+#: given to the CodeMode stays open; none may have been opened yet).
+CODE_MODE_CLOSED: Final = "code mode is closed"
 
 
 def _field(call: object, key: str) -> object:
@@ -204,8 +204,18 @@ class CodeMode:
         """Open the session now instead of on the first call; errors opening it propagate."""
         handler = await self._ensure_handler()
         if handler is None:
-            raise CodeModeError(SESSION_SHUTTING_DOWN)
+            raise CodeModeError(self._closed_text())
         return handler.session
+
+    def _closed_text(self) -> str:
+        """The failure of a call after :meth:`aclose`: the session's own shut-down text where
+        aclose shut it down, else :data:`CODE_MODE_CLOSED` (a given session is still open)."""
+        if self._handler is not None and self._given_session is None:
+            return SESSION_SHUTTING_DOWN
+        return CODE_MODE_CLOSED
+
+    def _closed_output(self) -> RenderedOutput:
+        return RenderedOutput([InputText(self._closed_text())], success=False)
 
     async def _ensure_handler(self) -> CodeModeToolHandler | None:
         """The handler, opening the session first if needed; ``None`` once closed."""
@@ -244,7 +254,8 @@ class CodeMode:
     async def aclose(self) -> None:
         """Stop: shut down an opened session (and the embedded engine), or terminate own cells.
 
-        Idempotent. Afterwards every exec/wait call fails with the shutting-down text.
+        Idempotent. Afterwards every exec/wait call fails: with ``code mode session is shutting
+        down`` where a session was shut down here, else with :data:`CODE_MODE_CLOSED`.
         """
         async with self._opening:
             if self._closed:
@@ -356,7 +367,7 @@ class CodeMode:
         """Run an ``exec`` call (raw source or payload) and render its initial response."""
         handler = await self._ensure_handler()
         if handler is None:
-            return _shut_down()
+            return self._closed_output()
         return await handler.handle_exec(call_id, payload)
 
     async def handle_exec_arguments(self, call_id: str, arguments: object) -> RenderedOutput:
@@ -376,5 +387,5 @@ class CodeMode:
         render its outcome."""
         handler = await self._ensure_handler()
         if handler is None:
-            return _shut_down()
+            return self._closed_output()
         return await handler.handle_wait(payload)
