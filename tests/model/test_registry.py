@@ -251,6 +251,32 @@ def test_a_namespaced_name_that_spells_another_tools_name_is_refused() -> None:
     assert [definition.name for definition in registry.definitions()] == ["mcp__a__b__c"]
 
 
+@pytest.mark.parametrize(
+    ("first", "second", "identifier"),
+    [
+        (("read", "mcp__a-b"), ("read", "mcp__a_b"), "mcp__a_b__read"),
+        (("get-item", None), ("get_item", None), "get_item"),
+        (("é", None), ("_", None), "_"),
+    ],
+    ids=["mcp-servers", "plain", "non-ascii"],
+)
+def test_names_that_are_one_identifier_in_a_cell_are_refused(
+    first: tuple[str, str | None], second: tuple[str, str | None], identifier: str
+) -> None:
+    # `--mcp a-b=... --mcp a_b=...`: both servers' `read` were `tools.mcp__a_b__read`, and
+    # the cell's calls went silently to the one registered last.
+    one = Tool.from_schema(first[0], "", {}, lambda arguments: "one", namespace=first[1])
+    registry = ToolRegistry([one])
+    other = Tool.from_schema(second[0], "", {}, lambda arguments: "other", namespace=second[1])
+    message = (
+        f"tool `{other.definition.name}` would be `tools.{identifier}` in a cell, which tool "
+        f"`{one.definition.name}` already is"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        registry.add(other)
+    assert registry.definitions() == [one.definition]
+
+
 def test_unsupported_signatures() -> None:
     def star(*values: int) -> None: ...
 

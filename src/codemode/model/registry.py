@@ -26,6 +26,7 @@ from codemode.model.exec_tool import NamespaceDescription
 from codemode.model.tracing import CellSpans
 from codemode.model.worker_pool import shared_pool
 from codemode.protocol.constants import PUBLIC_TOOL_NAME, WAIT_TOOL_NAME
+from codemode.protocol.identifiers import normalize_identifier
 from codemode.protocol.strict_json import non_finite_number
 from codemode.protocol.surrogates import well_formed
 from codemode.protocol.types import (
@@ -659,6 +660,8 @@ class ToolRegistry(CodeModeSessionDelegate):
     ) -> None:
         self._tools: dict[ToolName, Tool[..., Any]] = {}
         self._names: set[str] = set()
+        # The identifier each tool is on a cell's `tools` object -> that tool's definition name.
+        self._identifiers: dict[str, str] = {}
         self._entries: dict[ToolName, _Entry] = {}
         self._namespaces: dict[str, NamespaceDescription] = {}
         self._on_notify = on_notify
@@ -677,7 +680,16 @@ class ToolRegistry(CodeModeSessionDelegate):
         # MCP server's tool named to take over the calls meant for another server's).
         if key in self._tools or item.definition.name in self._names:
             raise ValueError(f"tool `{item.definition.name}` is already registered")
+        # And by its identifier: `tools.a_b` calls the last of `a-b` and `a_b` (runtime.md §4.1),
+        # so one would silently shadow the other.
+        identifier = normalize_identifier(item.definition.name)
+        if (other := self._identifiers.get(identifier)) is not None:
+            raise ValueError(
+                f"tool `{item.definition.name}` would be `tools.{identifier}` in a cell, which "
+                f"tool `{other}` already is"
+            )
         self._names.add(item.definition.name)
+        self._identifiers[identifier] = item.definition.name
         self._tools[key] = item
         self._entries[key] = _Entry(
             item, _checked_timeout(timeout) or self._timeout, self._before_call is None
