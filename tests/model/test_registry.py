@@ -38,6 +38,10 @@ class Summary(msgspec.Struct):
     names: list[str]
 
 
+class Span(msgspec.Struct):
+    bounds: tuple[int, int]
+
+
 def call(
     name: str,
     payload: JSON = None,
@@ -275,6 +279,26 @@ def test_names_that_are_one_identifier_in_a_cell_are_refused(
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         registry.add(other)
     assert registry.definitions() == [one.definition]
+
+
+def test_a_tuple_is_declared_as_a_typescript_tuple() -> None:
+    # msgspec's schema has "items": false beside prefixItems, and §15.6 reads items first:
+    # the model was told `Array<never>`, a type no value has.
+    @tool
+    def pair(p: tuple[int, str], spans: list[Span] | None = None) -> tuple[int, str]:
+        """Takes and returns a fixed pair."""
+        return p
+
+    assert render_tool_declaration(pair.definition) == (
+        "pair(args: { p: [number, string]; spans?: Array<{ bounds: [number, number]; }> | null; "
+        "}): Promise<[number, string]>;"
+    )
+    assert pair.definition.input_schema["properties"]["p"] == {
+        "type": "array",
+        "minItems": 2,
+        "maxItems": 2,
+        "prefixItems": [{"type": "integer"}, {"type": "string"}],
+    }
 
 
 def test_unsupported_signatures() -> None:

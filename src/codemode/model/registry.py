@@ -167,10 +167,38 @@ def _schema_of(annotation: object, extra_keys: object = None) -> dict[str, JSON]
     components = {key: _hoist_defs(value, hoisted) for key, value in components.items()}
     for key, value in hoisted.items():
         _add_component(components, key, value)
-    schema = _inline_root(roots[0], components)
+    schema: dict[str, JSON] = _open_tuples(_inline_root(roots[0], components))
     if extra_keys is not None:
-        schema["additionalProperties"] = roots[1] or True  # `Any` has the empty schema
+        schema["additionalProperties"] = _open_tuples(roots[1]) or True  # `Any`: the empty schema
     return schema
+
+
+#: Keywords whose value maps names to schemas (not a schema itself), and keywords whose value
+#: is data (a default, a literal), which no schema rule applies to.
+_SCHEMA_MAPS: Final = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+_DATA_KEYWORDS: Final = frozenset({"const", "enum", "default", "examples"})
+
+
+def _open_tuples(schema: Any) -> Any:
+    """``schema`` without the ``"items": false`` msgspec puts beside a tuple's ``prefixItems``:
+    the TypeScript rendering (runtime.md §15.6) reads ``items`` first, and ``false`` made
+    ``tuple[int, str]`` an ``Array<never>``; without it, it is ``[number, string]`` (the length
+    stays in ``minItems``/``maxItems``, and validation goes by the type hints)."""
+    if isinstance(schema, list):
+        return [_open_tuples(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    result = {}
+    for key, value in schema.items():
+        if key in _DATA_KEYWORDS:
+            result[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            result[key] = {name: _open_tuples(item) for name, item in value.items()}
+        else:
+            result[key] = _open_tuples(value)
+    if "prefixItems" in result and result.get("items") is False:
+        del result["items"]
+    return result
 
 
 def _hoist_defs(schema: Any, into: dict[str, JSON]) -> Any:
