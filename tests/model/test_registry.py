@@ -281,6 +281,24 @@ def test_names_that_are_one_identifier_in_a_cell_are_refused(
     assert registry.definitions() == [one.definition]
 
 
+async def test_a_dict_with_number_keys_takes_the_string_keys_a_cell_passes() -> None:
+    # JavaScript object keys are strings: validation demanded int keys, so no call could pass.
+    registry = ToolRegistry()
+
+    @registry.tool
+    def by_id(names: dict[int, str], **weights: dict[int, float]) -> str:
+        return repr((names, weights))
+
+    declaration = render_tool_declaration(by_id.definition)
+    assert declaration.startswith("by_id(args: { names: { [key: string]: string; }; ")
+    result = await invoke(registry, call("by_id", {"names": {"1": "a"}, "w": {"2": 0.5}}))
+    assert result == "({1: 'a'}, {'w': {2: 0.5}})"
+    message = await rejection(registry, call("by_id", {"names": {"one": "a"}}))
+    assert message == (
+        "invalid arguments for tool `by_id`: Expected `int`, got `str` - at `key` in `$.names`"
+    )
+
+
 def test_a_tuple_is_declared_as_a_typescript_tuple() -> None:
     # msgspec's schema has "items": false beside prefixItems, and §15.6 reads items first:
     # the model was told `Array<never>`, a type no value has.

@@ -475,14 +475,18 @@ class Tool(Generic[P, R]):
         else:
             hook = pydantic_types.dec_hook
             try:
-                converted = msgspec.convert(arguments, self._args_type, dec_hook=hook)
+                # str_keys: a JavaScript object's keys are strings, so a `dict[int, X]`
+                # parameter takes {"1": ...} (as JSON decoding would give it).
+                converted = msgspec.convert(
+                    arguments, self._args_type, dec_hook=hook, str_keys=True
+                )
                 values = msgspec.structs.asdict(converted)
                 unwrap = pydantic_types.unwrap
                 if self._unwrap:
                     values = {key: unwrap(value) for key, value in values.items()}
                 if self._extra_keys is not None:
                     extra = {k: v for k, v in arguments.items() if k not in values}
-                    extra = msgspec.convert(extra, self._extra_keys, dec_hook=hook)
+                    extra = msgspec.convert(extra, self._extra_keys, dec_hook=hook, str_keys=True)
                     values.update({key: unwrap(value) for key, value in extra.items()})
             except msgspec.ValidationError as error:
                 raise CodeModeError(f"invalid arguments for tool `{name}`: {error}") from None
