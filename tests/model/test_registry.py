@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import threading
@@ -332,6 +333,53 @@ def test_unsupported_signatures() -> None:
         tool(freeform=True)(two)
     with pytest.raises(TypeError, match="exactly one `str`"):
         tool(freeform=True)(number)
+
+
+async def test_a_functools_partial_is_a_tool_whose_bound_keywords_are_fixed() -> None:
+    # get_type_hints refused the partial: "functools.partial(...) is not a module, class,
+    # method, or function", naming no tool.
+    def scale(value: int, factor: int) -> int:
+        """Scale a value."""
+        return value * factor
+
+    registry = ToolRegistry()
+    triple = registry.tool(name="triple")(functools.partial(scale, factor=3))
+    assert render_tool_declaration(triple.definition) == (
+        "triple(args: { value: number; }): Promise<number>;"
+    )
+    assert triple.definition.description == "Scale a value."
+    assert registry.tool(functools.partial(scale, 2)).definition.name == "scale"
+    assert await invoke(registry, call("triple", {"value": 2})) == 6
+    message = await rejection(registry, call("triple", {"value": 2, "factor": 5}))
+    assert message == "invalid arguments for tool `triple`: Object contains unknown field `factor`"
+
+
+def test_a_callable_without_hints_is_refused_with_a_message_naming_the_tool() -> None:
+    class Adder:
+        def __call__(self, a: int) -> int:
+            return a
+
+    with pytest.raises(TypeError, match=r"^tool `adder`: cannot read the type hints of .*Adder"):
+        tool(name="adder")(Adder())
+    with pytest.raises(TypeError, match=r"has no __name__: give the tool a name=$"):
+        tool(Adder())
+
+
+def test_a_default_that_is_not_json_is_refused_naming_the_parameter() -> None:
+    # It was "its parameters have no JSON Schema (Encoding objects of type object is
+    # unsupported)": which parameter, and why, was left to guess.
+    missing = object()
+
+    def lookup(key: str, fallback: int = missing) -> int:  # type: ignore[assignment]
+        return 0
+
+    with pytest.raises(TypeError) as caught:
+        tool(lookup)
+    assert str(caught.value) == (
+        f"tool `lookup`: parameter `fallback`: its default {missing!r} is not JSON (Encoding "
+        "objects of type object is unsupported); the model is shown a tool's defaults, so give "
+        "a JSON value (None for none)"
+    )
 
 
 def test_flat_tool_name() -> None:

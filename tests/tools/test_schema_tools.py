@@ -63,6 +63,15 @@ def test_from_schema_declares_the_schemas() -> None:
     )
 
 
+def test_from_schema_takes_the_boolean_schemas() -> None:
+    # `true` (any value) is a valid JSON Schema: "input_schema must be a JSON Schema object".
+    item = Tool.from_schema("anything", "Any input.", True, lambda arguments: arguments)
+    assert item.definition.input_schema is True
+    assert render_tool_declaration(item.definition) == "anything(args: unknown): Promise<unknown>;"
+    never = Tool.from_schema("fails", "", {"type": "object"}, print, output_schema=False)
+    assert render_tool_declaration(never.definition).endswith("): Promise<never>;")
+
+
 def test_from_schema_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="reserved"):
         Tool.from_schema("exec", "", {"type": "object"}, print)

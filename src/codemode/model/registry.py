@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import inspect
 import logging
 import time
@@ -325,18 +326,35 @@ class Tool(Generic[P, R]):
         self.inline = inline
         self._whole_arguments = False
         self._unwrap = False  # whether some parameter is validated by pydantic (wrapped)
-        tool_name = ToolName(name or function.__name__, namespace)
+        # A functools.partial: hints, name and docstring are its function's, and the keywords
+        # it binds are fixed by you, not the model's to pass (they are left out of the schema).
+        target: Callable[..., Any] = function
+        bound: frozenset[str] = frozenset()
+        if isinstance(function, functools.partial):
+            target, bound = function.func, frozenset(function.keywords)
+        if name is None:
+            name = getattr(target, "__name__", None)
+            if not isinstance(name, str):
+                raise TypeError(f"{function!r} has no __name__: give the tool a name=")
+        tool_name = ToolName(name, namespace)
         flat = _checked_flat_name(tool_name)
         try:
-            hints = typing.get_type_hints(function, include_extras=True)
+            hints = typing.get_type_hints(target, include_extras=True)
         except NameError as error:  # a hint naming a type not visible from the function's module
             raise TypeError(f"tool `{flat}`: cannot resolve its type hints ({error})") from None
+        except TypeError:  # not a function: an object with __call__, a builtin
+            raise TypeError(
+                f"tool `{flat}`: cannot read the type hints of {function!r}: make a tool of a "
+                "function (or a functools.partial of one), or use Tool.from_schema"
+            ) from None
         fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
         positional: list[str] = []
         self._context_parameter: str | None = None
         # The type of a `**kwargs` parameter, which then receives the undeclared keys.
         self._extra_keys: Any = None
         for parameter in inspect.signature(function).parameters.values():
+            if parameter.name in bound and parameter.kind is parameter.KEYWORD_ONLY:
+                continue
             annotation = hints.get(parameter.name, Any)
             if parameter.kind is parameter.VAR_POSITIONAL:
                 raise TypeError(f"tool `{flat}`: *args parameters are not supported")
@@ -387,7 +405,7 @@ class Tool(Generic[P, R]):
             output_schema = _json_schema(flat, "output_schema", output_schema)
         elif not isinstance(output_schema, bool):
             output_schema = _schema_of(output_schema)  # a Python type
-        doc = inspect.getdoc(function)
+        doc = inspect.getdoc(target)
         self.definition = ToolDefinition(
             name=flat,
             tool_name=tool_name,
@@ -402,10 +420,10 @@ class Tool(Generic[P, R]):
         cls,
         name: str,
         description: str,
-        input_schema: Mapping[str, JSON],
+        input_schema: Mapping[str, JSON] | bool,
         call: Callable[..., Any],
         *,
-        output_schema: Mapping[str, JSON] | None = None,
+        output_schema: Mapping[str, JSON] | bool | None = None,
         namespace: str | None = None,
         inline: bool = False,
     ) -> Tool[..., Any]:
@@ -417,13 +435,19 @@ class Tool(Generic[P, R]):
         keyword. The arguments are not validated against ``input_schema``: like every tool,
         the call gets an object (no argument gives ``{}``), anything else is rejected before
         ``call`` runs; checking the properties is ``call``'s business. The schemas are what
-        the model is shown (as TypeScript); ``output_schema=None`` declares ``unknown``.
+        the model is shown (as TypeScript); ``output_schema=None`` declares ``unknown``, and so
+        does the boolean schema ``True`` (``False``: ``never``).
         ``inline`` runs a sync ``call`` on the event loop, as for :func:`tool`.
         """
-        if not isinstance(input_schema, Mapping):
-            raise TypeError(f"tool `{name}`: input_schema must be a JSON Schema object")
-        if output_schema is not None and not isinstance(output_schema, Mapping):
-            raise TypeError(f"tool `{name}`: output_schema must be a JSON Schema object or None")
+        if not isinstance(input_schema, Mapping | bool):
+            raise TypeError(
+                f"tool `{name}`: input_schema must be a JSON Schema (an object, or True or False)"
+            )
+        if output_schema is not None and not isinstance(output_schema, Mapping | bool):
+            raise TypeError(
+                f"tool `{name}`: output_schema must be a JSON Schema (an object, or True or "
+                "False) or None"
+            )
         if not callable(call):
             raise TypeError(f"tool `{name}`: call must be callable")
         if not isinstance(description, str):
@@ -569,9 +593,22 @@ class Tool(Generic[P, R]):
         )
 
 
-def _json_schema(flat: str, what: str, schema: Mapping[str, Any]) -> dict[str, JSON]:
+@overload
+def _json_schema(flat: str, what: str, schema: Mapping[str, Any]) -> dict[str, JSON]: ...
+
+
+@overload
+def _json_schema(
+    flat: str, what: str, schema: Mapping[str, Any] | bool
+) -> dict[str, JSON] | bool: ...
+
+
+def _json_schema(flat: str, what: str, schema: Mapping[str, Any] | bool) -> dict[str, JSON] | bool:
     """A JSON copy of a schema given as a mapping (what reaches the model and the wire is JSON:
-    a key or value JSON has no spelling for would fail every exec description later)."""
+    a key or value JSON has no spelling for would fail every exec description later); a
+    boolean schema as it is."""
+    if isinstance(schema, bool):
+        return schema
     try:
         copied = msgspec.json.decode(msgspec.json.encode(dict(schema)))
     except (TypeError, ValueError, RecursionError) as error:
@@ -596,13 +633,24 @@ def _parameter_failure(
     error: Exception,
 ) -> TypeError:
     """The error naming the first parameter whose annotation has no JSON Schema."""
-    hints = typing.get_type_hints(function, include_extras=True)
+    target = function.func if isinstance(function, functools.partial) else function
+    hints = typing.get_type_hints(target, include_extras=True)
     for field in fields:
         try:
             _schema_of(field[1])
         except (TypeError, ValueError) as failure:
             original = hints.get(field[0], field[1])
             return _no_schema(flat, f"parameter `{field[0]}`:", original, failure)
+        if len(field) == 3:  # its default goes into the schema too
+            try:
+                _schema_of(msgspec.defstruct("default", [field]))
+            except (TypeError, ValueError) as failure:
+                reason = str(failure).strip().splitlines()[-1]
+                return TypeError(
+                    f"tool `{flat}`: parameter `{field[0]}`: its default {field[2]!r} is not "
+                    f"JSON ({reason}); the model is shown a tool's defaults, so give a JSON "
+                    "value (None for none)"
+                )
     reason = str(error).strip().splitlines()[-1]
     return TypeError(f"tool `{flat}`: its parameters have no JSON Schema ({reason})")
 
