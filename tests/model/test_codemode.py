@@ -14,7 +14,7 @@ import codemode
 from codemode.errors import CodeModeError
 from codemode.model import CodeMode, CodeModeToolHandler, CustomToolInput, ToolRegistry, tool
 from codemode.model.exec_tool import EXEC_GRAMMAR, wait_tool_spec
-from codemode.model.registry import ToolContext
+from codemode.model.registry import ToolContext, current_exec_call_id
 from codemode.model.render import RenderedOutput
 from codemode.protocol.types import (
     CellId,
@@ -495,6 +495,36 @@ async def test_notifications_reach_on_notify() -> None:
         rendered = await code_mode.handle_exec("call-7", 'notify("progress"); text("done")')
     assert rendered.success
     assert notes == [("call-7", CellId("1"), "progress")]
+
+
+@pytest.mark.timeout(60)
+async def test_a_tools_context_carries_the_exec_call_id_of_its_cell() -> None:
+    # ToolContext.call_id is the nested call's own `exec-` id (runtime.md §4.4); the model's
+    # exec call id, which on_notify gets, was nowhere in a tool's context.
+    seen: list[tuple[str, str | None]] = []
+
+    @tool
+    def who(context: ToolContext) -> None:
+        seen.append((context.call_id, context.exec_call_id))
+
+    @tool
+    async def who_async(context: ToolContext) -> None:
+        seen.append((context.call_id, context.exec_call_id))
+
+    source = (
+        "await tools.who(); await tools.who_async(); yield_control();"
+        "await new Promise(r => setTimeout(r, 100)); await tools.who(); text('done')"
+    )
+    async with CodeMode([who, who_async]) as code_mode:
+        first = await code_mode.handle_exec("call-9", source)
+        assert first.to_json()[0]["text"].startswith("Script running with cell ID 1")
+        done = await code_mode.handle_wait('{"cell_id": "1"}')
+        assert done.to_json()[-1]["text"] == "done"
+        other = await code_mode.handle_exec("call-10", "await tools.who()")
+        assert other.success
+    assert [exec_call for _, exec_call in seen] == ["call-9", "call-9", "call-9", "call-10"]
+    assert all(call_id.startswith("exec-") for call_id, _ in seen)
+    assert current_exec_call_id.get() is None  # set around execute only
 
 
 async def test_aclose_terminates_own_cells_in_a_given_embedded_session() -> None:

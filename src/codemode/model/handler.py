@@ -16,6 +16,7 @@ from typing import Final, TypeAlias
 from codemode.errors import CodeModeError
 from codemode.model.exec_tool import parse_wait_arguments
 from codemode.model.positions import in_source_lines, outcome_in_source_lines
+from codemode.model.registry import current_exec_call_id
 from codemode.model.render import RenderedOutput, render_outcome, render_response
 from codemode.model.tracing import CellSpan, CellSpans, outcome_of
 from codemode.protocol.pragma import parse_exec_source
@@ -145,8 +146,13 @@ class CodeModeToolHandler:
                 yield_time_ms=parsed.yield_time_ms,
                 max_output_tokens=parsed.max_output_tokens,
             )
-            with self._spans.executing(span):
-                cell = await self._session.execute(request)
+            # The cell's callbacks run in a copy of this context: its tools see this call id.
+            token = current_exec_call_id.set(call_id)
+            try:
+                with self._spans.executing(span):
+                    cell = await self._session.execute(request)
+            finally:
+                current_exec_call_id.reset(token)
             cell_id = cell.cell_id
             if span is not None:
                 span.bind(cell_id)

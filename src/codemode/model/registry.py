@@ -8,6 +8,7 @@ Decorate functions with :func:`tool` (or :meth:`ToolRegistry.tool`); the registr
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import copy
 import functools
 import inspect
@@ -49,6 +50,7 @@ __all__ = [
     "Tool",
     "ToolContext",
     "ToolRegistry",
+    "current_exec_call_id",
     "flat_tool_name",
     "tool",
 ]
@@ -75,14 +77,26 @@ def flat_tool_name(tool_name: ToolName) -> str:
     return tool_name.name
 
 
+#: The model's ``exec`` call id whose cell the running code serves: set by
+#: :class:`~codemode.model.handler.CodeModeToolHandler` (so :class:`~codemode.model.CodeMode`)
+#: around ``execute``; a cell's callbacks run in a copy of that context on every carrier. Set it
+#: yourself around a ``session.execute`` of your own for :attr:`ToolContext.exec_call_id`.
+current_exec_call_id: Final[contextvars.ContextVar[str | None]] = contextvars.ContextVar(
+    "codemode_exec_call_id", default=None
+)
+
+
 class ToolContext:
     """Facts about one nested call, injected into a parameter annotated ``ToolContext``.
 
-    ``call_id`` is the call's own outer id (``exec-`` + a UUIDv4, made when first read);
-    ``cell_id`` and ``runtime_tool_call_id`` record that it came from code mode.
+    ``call_id`` is the nested call's own outer id (``exec-`` + a UUIDv4, made when first read;
+    runtime.md §4.4), not the model's exec call id: that is ``exec_call_id`` (``None`` when the
+    cell was not started through :data:`current_exec_call_id`'s setters, e.g. by
+    ``session.execute`` directly). ``cell_id`` and ``runtime_tool_call_id`` record that it came
+    from code mode.
     """
 
-    __slots__ = ("_call_id", "cancellation", "cell_id", "runtime_tool_call_id")
+    __slots__ = ("_call_id", "cancellation", "cell_id", "exec_call_id", "runtime_tool_call_id")
 
     def __init__(
         self,
@@ -91,11 +105,13 @@ class ToolContext:
         runtime_tool_call_id: str,
         cancellation: CancellationToken,
         call_id: str | None = None,
+        exec_call_id: str | None = None,
     ) -> None:
         self.cell_id = cell_id
         self.runtime_tool_call_id = runtime_tool_call_id
         self.cancellation = cancellation
         self._call_id = call_id
+        self.exec_call_id = exec_call_id if exec_call_id is not None else current_exec_call_id.get()
 
     @property
     def call_id(self) -> str:
@@ -106,8 +122,8 @@ class ToolContext:
 
     def __repr__(self) -> str:
         return (
-            f"ToolContext(call_id={self.call_id!r}, cell_id={self.cell_id!r}, "
-            f"runtime_tool_call_id={self.runtime_tool_call_id!r})"
+            f"ToolContext(call_id={self.call_id!r}, exec_call_id={self.exec_call_id!r}, "
+            f"cell_id={self.cell_id!r}, runtime_tool_call_id={self.runtime_tool_call_id!r})"
         )
 
 
