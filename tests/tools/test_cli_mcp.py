@@ -65,3 +65,22 @@ def test_run_mcp_usage_errors_exit_2(argument: str, message: bytes) -> None:
     done = codemode("run", "-", "--mcp", argument, stdin=b"text(1)")
     assert done.returncode == 2
     assert message in done.stderr
+
+
+@pytest.mark.timeout(90)
+def test_run_mcp_servers_whose_tools_are_one_identifier_exit_2() -> None:
+    # `a-b` and `a_b` both gave `tools.mcp__a_b__forecast`: the second server's tools silently
+    # took the first one's calls.
+    done = codemode(
+        "run",
+        "-",
+        "--mcp",
+        f"a-b={SERVER_COMMAND}",
+        "--mcp",
+        f"a_b={SERVER_COMMAND}",
+        stdin=b"text(1)",
+    )
+    assert done.returncode == 2
+    assert done.stdout == b""
+    assert b"codemode: MCP server a_b: tool `mcp__a_b__" in done.stderr, done.stderr
+    assert b"` in a cell, which tool `mcp__a-b__" in done.stderr
