@@ -313,8 +313,9 @@ _STORE_UNDEFINED = (
     "(runtime.md §6)"
 )
 _HEAP = (
-    "upstream defect: the whole host process dies (SIGTRAP, exit status -5) when one cell "
-    "passes its heap limit, taking every session of the connection with it"
+    "upstream defect: maxHeapSizeBytes has no effect, and a cell that allocates about 2 GB "
+    "ends the whole host process (V8's out-of-memory, SIGTRAP, exit status -5), taking every "
+    "session of the connection with it"
 )
 
 #: Tests the upstream carrier knowingly fails (test id → why): upstream defects the spec

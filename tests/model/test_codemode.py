@@ -199,6 +199,11 @@ def test_exec_description_gives_the_default_yield_time_the_session_limits_make(
     assert f"early with the output so far. Defaults to {shown} ms.\n" in (
         description.exec_description()
     )
+    # The wait tool's too, in every API shape (its parameter schema keeps the spec's text).
+    wait = f"before yielding again (default {shown} ms).\n"
+    assert wait in description.wait_description()
+    assert wait in str(description.tools()[1]["description"])
+    assert wait in str(description.anthropic.tools()[1]["description"])
 
 
 def test_exec_description_follows_tools_registered_later() -> None:

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Final
 
 from codemode.model.codemode import _field, _text_field, exec_code_parameters
-from codemode.model.exec_tool import WAIT_PARAMETERS, build_wait_description
+from codemode.model.exec_tool import WAIT_PARAMETERS
 from codemode.model.handler import FunctionToolArguments
 from codemode.model.render import RenderedOutput
 from codemode.protocol.constants import PUBLIC_TOOL_NAME, WAIT_TOOL_NAME
@@ -115,7 +115,7 @@ class AnthropicMessages:
             },
             {
                 "name": WAIT_TOOL_NAME,
-                "description": build_wait_description(),
+                "description": self.code_mode.wait_description(),
                 "input_schema": copy.deepcopy(WAIT_PARAMETERS),
             },
         ]

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from codemode.model.codemode import _field, _text_field, exec_code_parameters
-from codemode.model.exec_tool import EXEC_GRAMMAR, WAIT_PARAMETERS, build_wait_description
+from codemode.model.exec_tool import EXEC_GRAMMAR, WAIT_PARAMETERS
 from codemode.model.handler import CustomToolInput, FunctionToolArguments
 from codemode.model.render import DEFAULT_IMAGE_DETAIL, RenderedOutput
 from codemode.protocol.constants import PUBLIC_TOOL_NAME, WAIT_TOOL_NAME
@@ -124,7 +124,7 @@ class ChatCompletions:
                 exec_code_parameters(),
             )
         wait_tool = _function_tool(
-            WAIT_TOOL_NAME, build_wait_description(), copy.deepcopy(WAIT_PARAMETERS)
+            WAIT_TOOL_NAME, self.code_mode.wait_description(), copy.deepcopy(WAIT_PARAMETERS)
         )
         return [exec_tool, wait_tool]
 

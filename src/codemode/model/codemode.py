@@ -24,6 +24,7 @@ from codemode.errors import CodeModeError
 from codemode.model.exec_tool import (
     ARGUMENTS_TOO_DEEP,
     build_exec_description,
+    build_wait_description,
     exec_tool_spec,
     wait_tool_spec,
 )
@@ -37,6 +38,7 @@ from codemode.model.registry import NotifyCallback, Tool, ToolRegistry
 from codemode.model.render import RenderedOutput
 from codemode.protocol.constants import (
     DEFAULT_EXEC_YIELD_TIME_MS,
+    DEFAULT_WAIT_YIELD_TIME_MS,
     PUBLIC_TOOL_NAME,
     WAIT_TOOL_NAME,
 )
@@ -285,24 +287,30 @@ class CodeMode:
 
     def exec_description(self) -> str:
         """The ``exec`` tool description for the registry's current tools."""
-        # The session caps every observation's yield time (runtime.md §13.10): a pragma-less
-        # exec then yields at the cap, which is the default the model must be told (§15.1).
-        cap = self._limits.max_yield_time_ms
         return build_exec_description(
             self.registry.definitions(),
             code_mode_only=self._code_mode_only,
             namespace_descriptions=self.registry.namespace_descriptions(),
             store_load=self._store_load,
             image_detail=self._image_detail,
-            default_yield_time_ms=DEFAULT_EXEC_YIELD_TIME_MS
-            if cap is None
-            else min(cap, DEFAULT_EXEC_YIELD_TIME_MS),
+            default_yield_time_ms=self._default_yield_ms(DEFAULT_EXEC_YIELD_TIME_MS),
             console=self._console,
         )
 
+    def wait_description(self) -> str:
+        """The ``wait`` tool description, with this session's default yield time."""
+        return build_wait_description(self._default_yield_ms(DEFAULT_WAIT_YIELD_TIME_MS))
+
+    def _default_yield_ms(self, default: int) -> int:
+        # The session caps every observation's yield time (runtime.md §13.10): an observation
+        # without one then yields at the cap, which is the default the model must be told
+        # (§15.1, §15.2).
+        cap = self._limits.max_yield_time_ms
+        return default if cap is None else min(cap, default)
+
     def tools(self) -> list[dict[str, JSON]]:
         """The ``exec`` (custom, grammar) and ``wait`` (function) tools, Responses API shape."""
-        return [exec_tool_spec(self.exec_description()), wait_tool_spec()]
+        return [exec_tool_spec(self.exec_description()), wait_tool_spec(self.wait_description())]
 
     @staticmethod
     def handles(call: object) -> bool:
