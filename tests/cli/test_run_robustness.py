@@ -280,16 +280,18 @@ def test_a_cache_directory_that_cannot_be_made_is_an_error_not_a_traceback(
     assert b"Not a directory" in done.stdout + done.stderr
 
 
-def test_short_yields_on_a_terminal_print_progress_at_most_once_a_second() -> None:
-    # Guards: with --yield-ms 1 every observation printed a "still running" line (a thousand a
-    # second on a terminal).
+def on_a_terminal(
+    args: list[str], source: bytes, *, stdout_too: bool
+) -> tuple[subprocess.CompletedProcess[bytes], bytes]:
+    """Run ``codemode run ARGS`` with stderr (and ``stdout_too``: stdout) on a pseudo-terminal:
+    the run and what the terminal showed."""
     import pty
     import threading
 
     primary, secondary = pty.openpty()
     written = bytearray()
 
-    def drain() -> None:  # the terminal's reader: a full pty would block the run's stderr
+    def drain() -> None:  # the terminal's reader: a full pty would block the run's output
         while True:
             try:
                 chunk = os.read(primary, 65536)
@@ -303,9 +305,9 @@ def test_short_yields_on_a_terminal_print_progress_at_most_once_a_second() -> No
     reader.start()
     try:
         done = subprocess.run(
-            [*CODEMODE, "run", "-", "--yield-ms", "1"],
-            input=b"await new Promise(r => setTimeout(r, 1500)); text('ok')",
-            stdout=subprocess.PIPE,
+            [*CODEMODE, "run", *args],
+            input=source,
+            stdout=secondary if stdout_too else subprocess.PIPE,
             stderr=secondary,
             timeout=60,
             check=False,
@@ -314,47 +316,28 @@ def test_short_yields_on_a_terminal_print_progress_at_most_once_a_second() -> No
         os.close(secondary)
         reader.join(10)
         os.close(primary)
-    assert done.returncode == 0, bytes(written)
+    return done, bytes(written)
+
+
+def test_short_yields_on_a_terminal_print_progress_at_most_once_a_second() -> None:
+    # Guards: with --yield-ms 1 every observation printed a "still running" line (a thousand a
+    # second on a terminal).
+    done, written = on_a_terminal(
+        ["-", "--yield-ms", "1"],
+        b"await new Promise(r => setTimeout(r, 1500)); text('ok')",
+        stdout_too=False,
+    )
+    assert done.returncode == 0, written
     assert b"\nok\n" in done.stdout
-    assert 1 <= written.count(b"still running") <= 2, bytes(written[-500:])
+    assert 1 <= written.count(b"still running") <= 2, written[-500:]
 
 
 def test_control_characters_of_a_cell_reach_a_terminal_escaped() -> None:
     # A cell's text went raw to the terminal: it could recolour it, set its title, write the
     # clipboard (OSC 52) or rewrite the "Script completed" header with a carriage return.
-    import pty
-    import threading
-
-    primary, secondary = pty.openpty()
-    written = bytearray()
-
-    def drain() -> None:
-        while True:
-            try:
-                chunk = os.read(primary, 65536)
-            except OSError:
-                return
-            if not chunk:
-                return
-            written.extend(chunk)
-
-    reader = threading.Thread(target=drain, daemon=True)
-    reader.start()
     source = b'text("A\\x1b[31mRED\\x1b]0;TITLE\\x07\\rZ\\u009b\\ttab"); notify("\\x1b[2J")'
-    try:
-        done = subprocess.run(
-            [*CODEMODE, "run", "-"],
-            input=source,
-            stdout=secondary,
-            stderr=secondary,
-            timeout=60,
-            check=False,
-        )
-    finally:
-        os.close(secondary)
-        reader.join(10)
-        os.close(primary)
-    assert done.returncode == 0, bytes(written)
+    done, written = on_a_terminal(["-"], source, stdout_too=True)
+    assert done.returncode == 0, written
     assert b"\x1b" not in written and b"\x07" not in written and "\x9b".encode() not in written
     assert b"A\\x1b[31mRED\\x1b]0;TITLE\\x07\\x0dZ\\u009b\ttab" in written
     assert b"notify: \\x1b[2J" in written

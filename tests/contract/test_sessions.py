@@ -21,7 +21,7 @@ from codemode.protocol import (
     WaitRequest,
     Yielded,
 )
-from codemode.session import CancellationToken
+from codemode.session import CancellationToken, CodeModeSession
 from tests.contract.conftest import Harness
 from tests.contract.delegate import FIXTURE_TOOLS, RecordingDelegate, function_tool
 from tests.contract.helpers import items, run, start
@@ -123,8 +123,9 @@ async def test_s06_second_observer_while_initial_is_pending(harness: Harness) ->
     assert await asyncio.wait_for(pending, 5) == Terminated(started.cell_id, [])
 
 
-async def test_s07_natural_completion_wins_over_terminate(harness: Harness) -> None:
-    session = await harness.session()
+async def completed_unobserved(session: CodeModeSession) -> str:
+    """A cell of ``session`` that completed after its initial response yielded (``done``):
+    seen complete through the store it commits, by probe cells."""
     cell, response = await start(
         session, 'yield_control(); store("finished", true); text("done")', yield_ms=60_000
     )
@@ -132,10 +133,14 @@ async def test_s07_natural_completion_wins_over_terminate(harness: Harness) -> N
     for _ in range(200):
         probe = await run(session, 'text(String(load("finished")))')
         if probe.content_items == items("true"):
-            break
+            return cell
         await asyncio.sleep(0.01)
-    else:
-        pytest.fail("the store was never committed")
+    pytest.fail("the store was never committed")
+
+
+async def test_s07_natural_completion_wins_over_terminate(harness: Harness) -> None:
+    session = await harness.session()
+    cell = await completed_unobserved(session)
     outcome = await session.terminate(CellId(cell))
     assert outcome == LiveCell(Result(CellId(cell), items("done"), None))
     assert await session.wait(WaitRequest(CellId(cell), 10)) == missing(cell)
@@ -145,17 +150,7 @@ async def test_two_terminates_at_once_of_a_completed_cell(harness: Harness) -> N
     # The second used to find the cell closed by the first before its own check ran, and failed
     # with "exec cell N is closed", a text the spec does not have: it is a missing cell.
     session = await harness.session()
-    cell, response = await start(
-        session, 'yield_control(); store("finished", true); text("done")', yield_ms=60_000
-    )
-    assert response == Yielded(CellId(cell), [])
-    for _ in range(200):
-        probe = await run(session, 'text(String(load("finished")))')
-        if probe.content_items == items("true"):
-            break
-        await asyncio.sleep(0.01)
-    else:
-        pytest.fail("the store was never committed")
+    cell = await completed_unobserved(session)
     first, second = await asyncio.gather(
         session.terminate(CellId(cell)), session.terminate(CellId(cell)), return_exceptions=True
     )
