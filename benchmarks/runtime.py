@@ -462,34 +462,6 @@ async def measure_paced(session: LocalSession, provider: LocalSessionProvider) -
     return rows
 
 
-#: What the store benchmark's session holds: 16 MiB of JSON text in four keys.
-STORE_FILL: Final = 'for (let i = 0; i < 4; i++) store("big" + i, "y".repeat(4 << 20))'
-
-
-async def measure_store(
-    session: LocalSession, stored: LocalSession, provider: LocalSessionProvider
-) -> list[Row]:
-    """Execute latency, back to back, of a session holding a 16 MiB store beside one holding
-    none (the store crosses to an engine once, not with every cell: decision 0018)."""
-    progress(f"execute latency with a 16 MiB store: {PACED_SAMPLES} per path")
-    await execute(stored, STORE_FILL, [])
-    empty: list[float] = []
-    full: list[float] = []
-    for _ in range(2):  # alternating blocks
-        for samples, one in ((empty, session), (full, stored)):
-            await settle(provider, [engine_pid(one)])
-            for _ in range(PACED_SAMPLES // 2):
-                samples.append(await session_latency(one))
-    return [
-        latency_row(
-            "execute -> initial response, 16 MiB in the store, back to back, p50 / p99, ms",
-            full,
-            empty,
-            "the same with an empty store",
-        )
-    ]
-
-
 async def measure_nested(
     session: LocalSession, provider: LocalSessionProvider
 ) -> tuple[list[Row], float, float, float]:
@@ -834,7 +806,6 @@ async def run() -> None:
         blocked = await measure_blocked(provider, delegate)
         latency, p50 = await measure_latency(sessions[0], provider)
         paced = await measure_paced(sessions[0], provider)
-        paced += await measure_store(sessions[0], sessions[1], provider)
         nested, seq, par, ping = await measure_nested(sessions[0], provider)
         registry, registry_ratios = await measure_registry(sessions[0], provider)
         throughput = await measure_throughput(sessions, provider)
