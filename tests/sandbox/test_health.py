@@ -340,15 +340,6 @@ SLOW_CASES: dict[str, Hostile] = {
     "thrown_100m_characters": Hostile('throw "x".repeat(100_000_000)', fails()),
     # Each fits a frame alone, not both together: the end message was larger than the frame
     # Python accepts, which ended the engine and every cell on it.
-    # The store was sent (escaped twice) with every cell and copied into its isolate: after
-    # these, a session's every cell took seconds, stalled the host's loop and passed the
-    # engine's memory cap.
-    "store_of_escaped_characters": Hostile(
-        "store('a', '\"'.repeat(33_000_000)); text('stored')",
-        ok("stored"),
-        after="store('b', '\"'.repeat(33_000_000)); text(String(load('a').length))",
-        timeout=60,
-    ),
     "store_writes_and_error_fill_a_frame_together": Hostile(
         "store('k', '\\uffff'.repeat((64 << 20) - 4)); throw '\\x01'.repeat(16 << 20)",
         fails("store writes were discarded: they are too large to send"),

@@ -101,11 +101,6 @@ class CellEvents(Protocol):
     def on_exited(self, reason: str, detail: str | None) -> None: ...
 
 
-#: A session's store for the engine: ``(scope, whole, entries)``, the entries being the whole
-#: store (``whole``) or the keys committed since the last update, as ``(key, JSON text)``.
-StoreUpdate = tuple[int, bool, list[tuple[str, str]]]
-
-
 class EngineBreach(CodeModeError):
     """The engine process broke its protocol; it is treated as compromised and stopped."""
 
@@ -299,8 +294,6 @@ class NodeEngine:
         self._starting: asyncio.Lock | None = None
         self._cells: dict[int, CellEvents] = {}
         self._next_key = 1
-        #: Counts the processes started: a store sent to an earlier one is gone with it.
-        self.generation = 0
         self._outbox: list[Any] = []
         self._results: dict[int, list[Any]] = {}
         self._flush_scheduled = False
@@ -373,7 +366,6 @@ class NodeEngine:
             str(addon),
             str(self.memory_cap_bytes),
         ]
-        self.generation += 1
         self._ready = loop.create_future()
         self._exit_reason = "the JavaScript engine process exited"
         self._exit_kind = "crashed"
@@ -540,37 +532,25 @@ class NodeEngine:
     # -- cells -------------------------------------------------------------------------------------
 
     def run_cell(
-        self,
-        events: CellEvents,
-        source: str,
-        config_json: str,
-        heap_mb: int | None,
-        store: StoreUpdate | None = None,
+        self, events: CellEvents, source: str, config_json: str, heap_mb: int | None
     ) -> int:
-        """Start a cell; returns its engine key. Call :meth:`start` first. ``store`` brings the
-        engine's copy of the session's store up to date before the cell takes its snapshot."""
+        """Start a cell; returns its engine key. Call :meth:`start` first."""
         if not self.running:
             raise CodeModeError("the JavaScript engine is not running")
         key = self._next_key
         self._next_key += 1
         self._cells[key] = events
         self._arm_watchdog()
-        message: dict[str, Any] = {
-            "t": "exec",
-            "cell": key,
-            "heap": heap_mb,
-            "source": well_formed(source),
-            "config": well_formed(config_json),
-        }
-        if store is not None:
-            message["scope"], message["base"], message["store"] = store
-        self._send(message)
+        self._send(
+            {
+                "t": "exec",
+                "cell": key,
+                "heap": heap_mb,
+                "source": well_formed(source),
+                "config": well_formed(config_json),
+            }
+        )
         return key
-
-    def forget_store(self, scope: int) -> None:
-        """Drop the engine's copy of a session's store (the session ended)."""
-        if self.running:
-            self._send({"t": "forget", "scope": scope})
 
     def send_result(
         self, key: int, call_id: str, ok: bool, value: msgspec.Raw | str, *, alone: bool = False

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import math
 from collections.abc import Callable
@@ -43,7 +42,7 @@ from codemode.protocol.types import (
 )
 from codemode.runtime import confinement
 from codemode.runtime.cell import Cell, EarlyYield
-from codemode.runtime.engine import DEFAULT_MEMORY_CAP_BYTES, NodeEngine, StoreUpdate
+from codemode.runtime.engine import DEFAULT_MEMORY_CAP_BYTES, NodeEngine
 from codemode.session import (
     CodeModeSession,
     CodeModeSessionDelegate,
@@ -64,8 +63,6 @@ __all__ = [
 logger = logging.getLogger("codemode.runtime")
 
 _MIB: Final = 1024 * 1024
-#: Names each session's store in the engines (unique in this process: a shared engine has many).
-_scopes: Final = itertools.count(1)
 _ENCODER: Final = msgspec.json.Encoder()
 #: The most a session's store may hold (characters of keys and JSON values).
 MAX_STORE_CHARS: Final = 256 * 1024 * 1024
@@ -296,11 +293,6 @@ class LocalSession(CodeModeSession):
         self._console = console
         self._store: dict[str, str] = {}
         self._store_chars = 0
-        # The engine holds a copy of the store, sent whole to each engine process, then only the
-        # keys committed since (decision 0018): which process has it, and what it lacks.
-        self._scope = next(_scopes)
-        self._mirror: tuple[NodeEngine, int] | None = None
-        self._unsynced: dict[str, str] = {}
         self._cells: dict[CellId, Cell] = {}
         self._next_cell = 1
         self._shutting_down = False
@@ -359,8 +351,7 @@ class LocalSession(CodeModeSession):
         tools = list(request.enabled_tools)
         config = self._config(tools)
         cell = Cell(self, engine, cell_id, request.tool_call_id, tools)
-        store = self._store_update(engine)
-        cell.key = engine.run_cell(cell, request.source, config, self._heap_mb, store)
+        cell.key = engine.run_cell(cell, request.source, config, self._heap_mb)
         self._cells[cell_id] = cell
         early = EarlyYield()
         initial = cell.attach(self._yield_ms(request.yield_time_ms), early)
@@ -426,9 +417,6 @@ class LocalSession(CodeModeSession):
             # Not cancelled: an engine cancelled half-way through its start would leak its child.
             with contextlib.suppress(Exception):
                 await asyncio.shield(preparing)
-        mirror, self._mirror = self._mirror, None
-        if mirror is not None and mirror[0].generation == mirror[1]:
-            mirror[0].forget_store(self._scope)  # a shared engine outlives the session
         await self._release_engine()
 
     async def _release_engine(self) -> None:
@@ -490,21 +478,7 @@ class LocalSession(CodeModeSession):
             )
         self._store.update(merged)
         self._store_chars = size
-        if self._mirror is not None:
-            self._unsynced.update(merged)
         return None
-
-    def _store_update(self, engine: NodeEngine) -> StoreUpdate | None:
-        if not self._store_load:
-            return None
-        mirror = (engine, engine.generation)
-        if self._mirror != mirror:
-            self._mirror = mirror
-            self._unsynced.clear()
-            return (self._scope, True, list(self._store.items()))
-        changed = list(self._unsynced.items())
-        self._unsynced.clear()
-        return (self._scope, False, changed)
 
     def forget(self, cell: Cell) -> None:
         """Remove a closed cell; an idle session's own engine is released after a while."""
@@ -548,12 +522,8 @@ class LocalSession(CodeModeSession):
             identifier = normalize_identifier(tool.name)
             callable_tools.append((identifier, index))
             listed.append({"name": identifier, "description": tool.description})
-        config = {
-            "tools": callable_tools,
-            "all": listed,
-            "store": self._store_load,
-            "console": self._console,
-        }
+        store = list(self._store.items()) if self._store_load else None
+        config = {"tools": callable_tools, "all": listed, "store": store, "console": self._console}
         return _ENCODER.encode(config).decode()
 
     def _abandon(self, cell_id: CellId) -> None:

@@ -13,12 +13,8 @@
 // everything it queued in one turn as one frame. Diagnostics go to stderr.
 //
 // Python -> host
-//   {t:'exec', cell:int, heap:int|null, source:str, config:str, scope?:int, base?:bool,
-//    store?:[[key, json text]]}
-//                                                 run a cell; `config` is the prelude's JSON text;
-//                                                 `store`: the session `scope`'s store, whole
-//                                                 (`base`) or what changed since the last exec
-//   {t:'forget', scope:int}                       drop a session's store (it ended)
+//   {t:'exec', cell:int, heap:int|null, source:str, config:str}
+//                                                 run a cell; `config` is the prelude's JSON text
 //   {t:'results', cell, r:'[[call_id, ok, value]]'}  settle nested tool calls: JSON text (ok=false: error text)
 //   {t:'terminate', cell}                         stop the cell's isolate (works while it spins)
 //
@@ -513,35 +509,7 @@ function takeIsolate(limit) {
   return prepare(limit);
 }
 
-// The sessions' stores (scope -> key -> ExternalCopy of the value's JSON text). Python sends a
-// store once, then what cells committed since: a large store no longer travels (and is copied
-// into the isolate) with every cell. A cell's snapshot is handles to these copies, made as it
-// starts; load() copies a value into its isolate when the cell reads it.
-const stores = new Map();
-
-function forgetStore(store) {
-  for (const copy of store.values()) copy.release(); // the handles cells hold stay valid
-}
-
-function snapshotOf(message) {
-  if (!Array.isArray(message.store)) return [];
-  let store = stores.get(message.scope);
-  if (message.base === true || store === undefined) {
-    if (store !== undefined) forgetStore(store);
-    store = new Map();
-    stores.set(message.scope, store);
-  }
-  for (const [key, text] of message.store) {
-    const old = store.get(key);
-    if (old !== undefined) old.release();
-    store.set(key, new ivm.ExternalCopy(String(text)));
-  }
-  return Array.from(store);
-}
-
 function exec(message) {
-  // First: the store's changes count even if this cell cannot start.
-  const snapshot = snapshotOf(message);
   lastGap = performance.now() - lastEnd;
   if (afterEndTimer !== null) { // came early: the spare is made when a cell ends
     clearTimeout(afterEndTimer);
@@ -577,7 +545,7 @@ function exec(message) {
     }, SPARE_DELAY_MS);
   }
   try {
-    cell.entry.applySync(undefined, ['configure', message.config, snapshot], { arguments: { copy: true } });
+    cell.entry.applySync(undefined, ['configure', message.config], { arguments: { copy: true } });
   } catch (error) {
     cell.exit(/memory limit/i.test(String(error && error.message)) ? 'oom' : 'crashed',
       String((error && error.message) || error));
@@ -853,12 +821,6 @@ function onBatch(batch) {
       case 'terminate':
         terminate(message.cell);
         break;
-      case 'forget': {
-        const store = stores.get(message.scope);
-        if (store !== undefined) forgetStore(store);
-        stores.delete(message.scope);
-        break;
-      }
       default:
         console.error(`codemode engine host: unknown message ${message.t}`);
     }

@@ -260,10 +260,7 @@
   let settled = false;
   let finished = false;
   let rewritten = false; // a store came after the end was decided
-  // The session's store as the cell started (key -> handle of the value's JSON text, held by the
-  // engine outside this isolate: a value is copied in when load() reads it, not at every start).
-  const snapshot = new MapCtor();
-  let copyOut = null; // the handles' copy(), captured before cell code runs
+  const stored = new MapCtor(); // key -> JSON text (snapshot + own writes)
   const written = new MapCtor(); // key -> JSON text (own writes, committed on completion)
   const pendingCalls = new MapCtor(); // runtime tool call id -> [resolve, reject, site, tool index]
   const timers = new MapCtor(); // timer id -> callback
@@ -729,6 +726,7 @@
       throw 'store exceeds the limit of ' + MAX_STORE_CHARS + ' characters written per cell';
     }
     storeChars = grown;
+    mapSet(stored, name, serialized);
     mapSet(written, name, serialized);
     // A leftover microtask's store, after the writes went out with the cell's end: the host asks
     // for them again when the turn ends (they are committed, as on the upstream host).
@@ -739,14 +737,8 @@
   }
 
   function load(key) {
-    const name = keyName(key, 'load key must be a string');
-    let serialized = mapGet(written, name);
-    if (serialized === undefined) {
-      const handle = mapGet(snapshot, name);
-      if (handle === undefined) return undefined;
-      serialized = copyOut(handle);
-    }
-    return parse(serialized);
+    const serialized = mapGet(stored, keyName(key, 'load key must be a string'));
+    return serialized === undefined ? undefined : parse(serialized);
   }
 
   // -- notify / yield / exit (§7-§9) --------------------------------------------------------------
@@ -890,7 +882,7 @@
   // uninterrupted run of the cell share a turn (decision 0004).
   let turn = 0;
 
-  function configure(configJson, copies) {
+  function configure(configJson) {
     const config = parse(configJson);
     const tools = {};
     for (const [identifier, index] of config.tools) {
@@ -909,9 +901,8 @@
     install('image', opaque(image));
     install('audio', opaque(audio));
     install('generatedImage', opaque(generatedImage));
-    if (config.store) {
-      for (let i = 0; i < copies.length; i++) mapSet(snapshot, copies[i][0], copies[i][1]);
-      if (copies.length > 0) copyOut = uncurry(ObjectCtor.getPrototypeOf(copies[0][1]).copy);
+    if (config.store !== null) {
+      for (const [key, serialized] of config.store) mapSet(stored, key, serialized);
       install('store', opaque(store));
       install('load', opaque(load));
     }
@@ -1025,8 +1016,8 @@
     later(bindFunction(apply, undefined, callback, undefined, NO_ARGUMENTS), ignore, failLater);
   }
 
-  return function entry(kind, a, b) {
-    if (kind === 'configure') configure(a, b);
+  return function entry(kind, a) {
+    if (kind === 'configure') configure(a);
     else if (kind === 'run') run(a);
     else if (kind === 'fail') finish(a);
     else if (kind === 'deliver') {
