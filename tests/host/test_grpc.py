@@ -844,7 +844,7 @@ async def test_in_flight_requests_are_bounded(provider: LocalSessionProvider) ->
 async def test_answers_to_the_hosts_requests_are_not_in_flight_requests(
     provider: LocalSessionProvider,
 ) -> None:
-    # Decision 0019: CompleteToolCall and AcknowledgeNotification answer the host's own requests
+    # Decision 0018: CompleteToolCall and AcknowledgeNotification answer the host's own requests
     # (V1 delegate responses, which never count, protocol-v1.md §8.7): a busy host takes them.
     host = GrpcHost(provider, options=GrpcHostOptions(max_in_flight_requests=2))
     channel, stub = await _connect(host)

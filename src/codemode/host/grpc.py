@@ -693,7 +693,7 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
     @contextlib.contextmanager
     def _in_flight(self) -> Iterator[None]:
         # The client's own requests only: answers to the host's (CompleteToolCall,
-        # AcknowledgeNotification) never count (decision 0019).
+        # AcknowledgeNotification) never count (decision 0018).
         host = self._host
         if host._in_flight >= host.options.max_in_flight_requests:
             raise _Status(
@@ -820,7 +820,7 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
     async def CompleteToolCall(
         self, request: pb.CompleteToolCallRequest, context: Context
     ) -> pb.CompleteToolCallResponse:
-        # Not an in-flight request (decision 0019): it answers the host's own ToolCall, as a V1
+        # Not an in-flight request (decision 0018): it answers the host's own ToolCall, as a V1
         # delegate response does (protocol-v1.md §8.7), bounded by the pending invocations;
         # refused on a busy host, the client fails its whole session (§6.3).
         try:
