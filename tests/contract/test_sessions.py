@@ -162,6 +162,23 @@ async def test_two_terminates_at_once_of_a_completed_cell(harness: Harness) -> N
         assert second == missing(cell)
 
 
+@pytest.mark.parametrize("terminate_first", [False, True])
+async def test_a_wait_and_a_terminate_at_once_share_one_completion(
+    harness: Harness, terminate_first: bool
+) -> None:
+    # Both used to get a Result: the second an empty one, while the first's was on its way.
+    session = await harness.session()
+    cell = await completed_unobserved(session)
+    wait = session.wait(WaitRequest(CellId(cell), 1000))
+    terminate = session.terminate(CellId(cell))
+    calls = (terminate, wait) if terminate_first else (wait, terminate)
+    outcomes = await asyncio.gather(*calls)
+    assert sorted(outcomes, key=lambda outcome: isinstance(outcome, MissingCell)) == [
+        LiveCell(Result(CellId(cell), items("done"), None)),
+        missing(cell),
+    ]
+
+
 async def test_s08_terminate_waits_for_notification_cancellation(harness: Harness) -> None:
     delegate = RecordingDelegate(notify_mode="wait_cancel")
     session = await harness.session(delegate)

@@ -365,7 +365,7 @@ class LocalSession(CodeModeSession):
         check_wait_request(request)
         self._check_open()
         cell = self._cells.get(request.cell_id)
-        if cell is None:
+        if cell is None or cell.concluded:
             return _missing(request.cell_id)
         yield_ms = self._yield_ms(request.yield_time_ms)
         if early_yield is None:
@@ -390,7 +390,7 @@ class LocalSession(CodeModeSession):
         check_cell_id(cell_id)
         self._check_open()
         cell = self._cells.get(cell_id)
-        if cell is None or cell.closed:
+        if cell is None or cell.concluded:
             return _missing(cell_id)
         # Cancelling the caller does not stop the termination.
         return await asyncio.shield(cell.terminate())
