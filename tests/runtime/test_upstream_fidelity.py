@@ -97,6 +97,9 @@ CELLS = [
     'if (true) /import()/.test("import") ? text("match") : text("no"); await import("z")',
     'for (const x of [1]) /a"/.test("a") || text("re"); try { await import("z") } catch (e) { text(String(e)) }',
     'const o = {for(x) { return x }}; const y = o.for(4) / 2; text(String(y)); await import("z")',
+    # A property named `if` after `.` and a line break or a comment: the `/` after it divides.
+    "const o = { if(a) { return 10; } }; const r = o.\nif(1) / 2 + \"/ import('q') /\";\n"
+    "const s = o./**/if(1) / 2 + \"/ import('q') /\"; text(r + ' | ' + s)",
     "export const q = 1",
     "text(typeof console); text(typeof require); text(typeof process); text(typeof globalThis.fetch); text(typeof setInterval)",
     "text(typeof WebAssembly); text(typeof SharedArrayBuffer); text(typeof Atomics); text(typeof queueMicrotask); text(typeof structuredClone)",

@@ -606,6 +606,7 @@ function renameDynamicImports(source) {
   const conditions = []; // for each open parenthesis: does it follow `if`, `while`, `for`, `with`?
   let importBefore = -1; // an `import` whose `(` comes next
   let keywordBefore = false; // an `if`, `while`, `for` or `with` whose `(` comes next
+  let dotBefore = false; // a `.` came last (blanks and comments aside): a word is a property
   let i = 0;
   let valueBefore = false; // does a `/` here divide (true) or start a regular expression?
   const templates = []; // brace depths at which a template literal's `${` was opened
@@ -627,15 +628,19 @@ function renameDynamicImports(source) {
   };
   while (i < n) {
     const c = source[i];
-    const keyword = keywordBefore; // kept over blanks and comments only
+    const keyword = keywordBefore; // both kept over blanks and comments only
+    const dot = dotBefore;
     keywordBefore = false;
+    dotBefore = false;
     if (c === '/' && source[i + 1] === '/') {
       while (i < n && source[i] !== '\n') i++;
       keywordBefore = keyword;
+      dotBefore = dot;
     } else if (c === '/' && source[i + 1] === '*') {
       const end = source.indexOf('*/', i + 2);
       i = end < 0 ? n : end + 2;
       keywordBefore = keyword;
+      dotBefore = dot;
     } else if (c === '"' || c === "'") {
       skipString(c);
       valueBefore = true;
@@ -666,7 +671,7 @@ function renameDynamicImports(source) {
       const start = i;
       while (i < n && ID_PART.test(source[i])) i++;
       const word = source.slice(start, i);
-      if (word === 'import' && source[start - 1] !== '.') {
+      if (word === 'import' && !dot) {
         let j = i;
         for (;;) {
           while (j < n && /\s/.test(source[j])) j++;
@@ -684,7 +689,7 @@ function renameDynamicImports(source) {
         if (source[j] === '(') importBefore = start;
       }
       // After `if (…)` comes a statement, which may start with a regular expression.
-      keywordBefore = source[start - 1] !== '.' &&
+      keywordBefore = !dot &&
         (word === 'if' || word === 'while' || word === 'for' || word === 'with' ||
           (keyword && word === 'await')); // for await (…)
       valueBefore = VALUE_KEYWORDS.has(word) || !/^(return|typeof|instanceof|in|of|new|delete|void|throw|case|do|else|yield|await)$/.test(word);
@@ -723,11 +728,14 @@ function renameDynamicImports(source) {
     } else if (/\s/.test(c)) {
       i++;
       keywordBefore = keyword;
+      dotBefore = dot;
     } else if ((c === '+' || c === '-') && source[i + 1] === c) {
       i += 2; // after a value it is postfix and a value still ends here (`i++ / 2` divides)
     } else {
       i++;
       valueBefore = false;
+      dotBefore = c === '.' || (c === '?' && source[i] === '.'); // `a.b`, `a?.b`
+      if (dotBefore && c === '?') i++;
     }
   }
   for (const opened of parens) if (opened >= 0) imports.push(opened); // never closed: a call
