@@ -28,8 +28,8 @@ from codemode.model.exec_tool import NamespaceDescription
 from codemode.model.tracing import CellSpans
 from codemode.model.worker_pool import shared_pool
 from codemode.protocol.constants import PUBLIC_TOOL_NAME, WAIT_TOOL_NAME
+from codemode.protocol.delegation import encode_json
 from codemode.protocol.identifiers import normalize_identifier
-from codemode.protocol.strict_json import non_finite_number
 from codemode.protocol.surrogates import well_formed
 from codemode.protocol.types import (
     JSON,
@@ -66,7 +66,6 @@ NotifyCallback = Callable[[str, CellId, str], Awaitable[None] | None]
 
 _EXEC_ITSELF: Final = "exec cannot invoke itself"
 _JSON_TYPES: Final = frozenset({dict, list, str, int, float, bool, type(None)})
-_RESULT_ENCODER: Final = msgspec.json.Encoder()
 _MUTABLE_DEFAULTS: Final = (list, dict, set, bytearray)
 
 
@@ -592,7 +591,7 @@ class Tool(Generic[P, R]):
             value = msgspec.to_builtins(result, enc_hook=pydantic_types.enc_hook, str_keys=True)
             # to_builtins lets NaN, infinities and lone surrogates through; the encoding that
             # carries the result refuses them, with a text that no longer names the tool.
-            encoded = _RESULT_ENCODER.encode(value)
+            encode_json(value)
         except RecursionError:  # a cycle, or nesting deeper than the encoder goes
             reason = "it is nested too deeply (or contains itself)"
         except UnicodeEncodeError as error:
@@ -601,9 +600,7 @@ class Tool(Generic[P, R]):
         except (TypeError, ValueError) as error:
             reason = str(error)
         else:
-            if b"null" not in encoded or (number := non_finite_number(value)) is None:
-                return typing.cast(JSON, value)
-            reason = f"{number} is not a JSON number"
+            return typing.cast(JSON, value)
         raise CodeModeError(
             f"tool `{self.definition.name}` returned a value that is not JSON: {reason}"
         )

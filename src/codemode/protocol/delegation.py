@@ -27,6 +27,7 @@ __all__ = [
     "NotificationAccepted",
     "ToolReturned",
     "callback_failure",
+    "encode_json",
     "tool_result_json",
 ]
 
@@ -63,15 +64,22 @@ def callback_failure(error: BaseException) -> CallbackFailed:
     return CallbackFailed(delegate_task_failed(str(error) or type(error).__name__))
 
 
+def encode_json(value: Any) -> bytes:
+    """``value`` as canonical JSON. What is not JSON raises what the encoder raises (``TypeError``,
+    ``ValueError``: ``UnicodeEncodeError`` for a lone surrogate; ``RecursionError``), and NaN or
+    an infinity, which a JSON encoder would write as ``null``, ``ValueError``."""
+    encoded = _ENCODER.encode(value)
+    if b"null" in encoded and (number := non_finite_number(value)) is not None:
+        raise ValueError(f"{number} is not a JSON number")
+    return encoded
+
+
 def tool_result_json(value: Any) -> bytes:
     """``value`` as canonical JSON; raise :class:`CodeModeError` with the D5 text if it is not JSON.
 
     NaN and infinities are refused (a JSON encoder would otherwise write them as ``null``).
     """
     try:
-        encoded = _ENCODER.encode(value)
+        return encode_json(value)
     except (TypeError, ValueError, OverflowError) as error:
         raise CodeModeError(delegate_result_not_json(str(error))) from None
-    if b"null" in encoded and (number := non_finite_number(value)) is not None:
-        raise CodeModeError(delegate_result_not_json(f"{number} is not a JSON number"))
-    return encoded
