@@ -290,8 +290,8 @@ class MiniRacerBench:
 
 
 # One tool, ``echo``, at index 0 (the JSON ``LocalSession`` sends the engine with a cell).
-ECHO_CONFIG = '{"tools":[["echo",0]],"all":[{"name":"echo","description":"Echo"}],"store":[]}'
-NO_TOOLS_CONFIG = '{"tools":[],"all":[],"store":[]}'
+ECHO_CONFIG = '{"tools":[["echo",0]],"all":[{"name":"echo","description":"Echo"}],"store":true}'
+NO_TOOLS_CONFIG = '{"tools":[],"all":[],"store":true}'
 
 
 class Cell:

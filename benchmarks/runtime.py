@@ -74,7 +74,7 @@ from codemode.session import (
 TRIVIAL: Final = 'text("hi")'
 BLOCKED: Final = "await new Promise(() => {});"
 #: What a session with no tools and an empty store sends the engine (``LocalSession._config``).
-EMPTY_CONFIG: Final = '{"tools":[],"all":[],"store":[]}'
+EMPTY_CONFIG: Final = '{"tools":[],"all":[],"store":true}'
 EXEC_SAMPLES: Final = 150
 PIPE_SAMPLES_PER_EXEC: Final = 6
 PACED_SAMPLES: Final = 120  # per path and pacing, in 2 alternating blocks
@@ -93,6 +93,8 @@ LANES: Final = (1, 4, 16)  # sessions with a cell in flight, for cells per secon
 SESSION_COUNTS: Final = (1, 4, 8)
 PYTHON_SESSIONS: Final = 200  # sessions whose Python objects tracemalloc weighs (shared engine)
 BLOCKED_CELLS: Final = 16
+STORE_MIB: Final = 64  # a large store: this many values of 1 Mi characters
+STORE_SAMPLES: Final = 40
 WARM_ENGINES: Final = 1  # LocalSessionProvider's default pool
 #: No session gives its engine back during the run (the default is 30 s without a cell).
 IDLE_ENGINE_TIMEOUT: Final = 3600.0
@@ -770,6 +772,39 @@ async def measure_blocked(provider: LocalSessionProvider, delegate: CodeModeSess
     )
 
 
+async def measure_store(provider: LocalSessionProvider, delegate: CodeModeSessionDelegate) -> Row:
+    """The trivial execute in a session with a large store, beside one with an empty store."""
+    progress(f"execute with a {STORE_MIB} Mi-character store: {STORE_SAMPLES} samples per path")
+    full = await provider.create_session(delegate)
+    empty = await provider.create_session(delegate)
+    try:
+        half = STORE_MIB // 2
+        for first in (0, half):
+            source = (
+                f"for (let i = {first}; i < {first + half}; i++)"
+                " store('k' + i, 'x'.repeat(1024 * 1024)); text('hi')"
+            )
+            assert await execute(full, source, []) == "hi"
+        pids = [engine_pid(full), engine_pid(empty)]
+        await settle(provider, pids)
+        with_store: list[float] = []
+        without: list[float] = []
+        for _ in range(STORE_SAMPLES):
+            await quiesce(pids)
+            with_store.append(await session_latency(full))
+            await quiesce(pids)
+            without.append(await session_latency(empty))
+    finally:
+        await full.shutdown()
+        await empty.shutdown()
+    return latency_row(
+        f"execute -> initial response, {STORE_MIB} Mi-character store, p50 / p99, ms",
+        with_store,
+        without,
+        "the same cell in a session with an empty store",
+    )
+
+
 def _verdict(value: float, goal: float) -> str:
     return "met" if value <= goal else "NOT met"
 
@@ -804,6 +839,7 @@ async def run() -> None:
         pids = [engine_pid(s) for s in sessions]
         memory, per_session = await measure_sessions(provider, delegate, pids)
         blocked = await measure_blocked(provider, delegate)
+        store = await measure_store(provider, delegate)
         latency, p50 = await measure_latency(sessions[0], provider)
         paced = await measure_paced(sessions[0], provider)
         nested, seq, par, ping = await measure_nested(sessions[0], provider)
@@ -814,7 +850,7 @@ async def run() -> None:
     progress(f"done in {time.perf_counter() - began:.0f} s")
     python = statm(os.getpid())
     print_table(
-        [*latency, *paced, *nested, *registry, *throughput, *memory, blocked],
+        [*latency, store, *paced, *nested, *registry, *throughput, *memory, blocked],
         [
             f"Goals (runtime issue), {_node_version()}, Python {platform.python_version()},"
             f" {os.cpu_count()} CPUs; {_confinement()}:",

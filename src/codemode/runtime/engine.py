@@ -46,6 +46,9 @@ EXITING_GRACE: Final = 5.0
 MAX_ENGINE_FRAME_BYTES: Final = 256 * 1024 * 1024
 #: What a 4-byte length prefix can describe (what Python sends is bounded by its own limits).
 _MAX_FRAME_TO_ENGINE: Final = 2**32 - 1
+#: Store entries travel to the engine in frames of about this many characters (however they
+#: escape, far below the longest string Node can decode, 2^29 - 24 characters).
+STORE_CHUNK_CHARS: Final = 16 * 1024 * 1024
 _ENCODER: Final = msgspec.json.Encoder()
 _reported = False  # the confinement layers are logged once per process
 
@@ -307,6 +310,8 @@ class NodeEngine:
         self._gone.set()
         #: The confinement layers applied to the engine process (set when it starts).
         self.confinement: ConfinementReport | None = None
+        #: Counts the child processes started: what one knew (a session's store) the next lacks.
+        self.generation = 0
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -366,6 +371,7 @@ class NodeEngine:
             str(addon),
             str(self.memory_cap_bytes),
         ]
+        self.generation += 1
         self._ready = loop.create_future()
         self._exit_reason = "the JavaScript engine process exited"
         self._exit_kind = "crashed"
@@ -532,9 +538,17 @@ class NodeEngine:
     # -- cells -------------------------------------------------------------------------------------
 
     def run_cell(
-        self, events: CellEvents, source: str, config_json: str, heap_mb: int | None
+        self,
+        events: CellEvents,
+        source: str,
+        config_json: str,
+        heap_mb: int | None,
+        scope: int | None = None,
     ) -> int:
-        """Start a cell; returns its engine key. Call :meth:`start` first."""
+        """Start a cell; returns its engine key. Call :meth:`start` first.
+
+        ``scope`` names the store the cell reads (see :meth:`put_store`; ``None``: none).
+        """
         if not self.running:
             raise CodeModeError("the JavaScript engine is not running")
         key = self._next_key
@@ -548,9 +562,36 @@ class NodeEngine:
                 "heap": heap_mb,
                 "source": well_formed(source),
                 "config": well_formed(config_json),
+                "scope": scope,
             }
         )
         return key
+
+    def put_store(self, scope: int, entries: list[tuple[str, str]]) -> None:
+        """Set store entries (key, JSON text) of ``scope`` in this engine's copy of it.
+
+        Cells read the store of their scope as it was when they started; entries sent here
+        before a :meth:`run_cell` are part of that cell's. A large put leaves in frames of its
+        own, about :data:`STORE_CHUNK_CHARS` characters each. Nothing is sent while the child
+        is not running: the next child starts with no store (see :attr:`generation`).
+        """
+        if not self.running:
+            return
+        chunk: list[tuple[str, str]] = []
+        size = 0
+        for key, text in entries:
+            chunk.append((key, text))
+            size += len(key) + len(text)
+            if size >= STORE_CHUNK_CHARS:
+                self._send_now({"t": "store", "scope": scope, "put": chunk})
+                chunk, size = [], 0
+        if chunk:
+            self._send({"t": "store", "scope": scope, "put": chunk})
+
+    def forget_store(self, scope: int) -> None:
+        """Drop this engine's copy of the store of ``scope``."""
+        if self.running:
+            self._send({"t": "forget", "scope": scope})
 
     def send_result(
         self, key: int, call_id: str, ok: bool, value: msgspec.Raw | str, *, alone: bool = False
@@ -583,6 +624,12 @@ class NodeEngine:
     def _send(self, message: Any) -> None:
         self._outbox.append(message)
         self._schedule_flush()
+
+    def _send_now(self, message: Any) -> None:
+        # A large message leaves in a frame of its own (what was queued before it goes first).
+        self._flush()
+        self._outbox.append(message)
+        self._flush()
 
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled:

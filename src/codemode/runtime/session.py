@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 from collections.abc import Callable
@@ -66,6 +67,8 @@ _MIB: Final = 1024 * 1024
 _ENCODER: Final = msgspec.json.Encoder()
 #: The most a session's store may hold (characters of keys and JSON values).
 MAX_STORE_CHARS: Final = 256 * 1024 * 1024
+#: Names each session's store in the engine processes (unique within this Python process).
+_scopes: Final = itertools.count(1)
 #: How long a session keeps its engine process without a live cell.
 DEFAULT_IDLE_ENGINE_TIMEOUT: Final = 30.0
 #: After a session takes an engine, how long its replacement waits before it starts: a Node
@@ -293,6 +296,9 @@ class LocalSession(CodeModeSession):
         self._console = console
         self._store: dict[str, str] = {}
         self._store_chars = 0
+        self._scope = next(_scopes)
+        # The engine (and its child's generation) that holds a copy of the whole store.
+        self._store_copy: tuple[NodeEngine, int] | None = None
         self._cells: dict[CellId, Cell] = {}
         self._next_cell = 1
         self._shutting_down = False
@@ -351,7 +357,8 @@ class LocalSession(CodeModeSession):
         tools = list(request.enabled_tools)
         config = self._config(tools)
         cell = Cell(self, engine, cell_id, request.tool_call_id, tools)
-        cell.key = engine.run_cell(cell, request.source, config, self._heap_mb)
+        scope = self._copy_store(engine)
+        cell.key = engine.run_cell(cell, request.source, config, self._heap_mb, scope)
         self._cells[cell_id] = cell
         early = EarlyYield()
         initial = cell.attach(self._yield_ms(request.yield_time_ms), early)
@@ -412,6 +419,9 @@ class LocalSession(CodeModeSession):
             if isinstance(outcome, BaseException) and not cell.closed:
                 logger.warning("shutdown: cell %s: %s", cell.cell_id, outcome)
         self._cancel_idle()
+        copy, self._store_copy = self._store_copy, None
+        if copy is not None and copy[0].generation == copy[1]:
+            copy[0].forget_store(self._scope)  # a shared engine outlives the session
         preparing = self._preparing
         if preparing is not None and not preparing.done():
             # Not cancelled: an engine cancelled half-way through its start would leak its child.
@@ -478,7 +488,20 @@ class LocalSession(CodeModeSession):
             )
         self._store.update(merged)
         self._store_chars = size
+        copy = self._store_copy
+        if copy is not None and copy[0].generation == copy[1]:
+            copy[0].put_store(self._scope, list(merged.items()))
         return None
+
+    def _copy_store(self, engine: NodeEngine) -> int | None:
+        # The engine keeps a copy of the store (Python's is the one that counts): an engine
+        # (or a child of it) that has none gets all of it, once; later commits follow it there.
+        if not self._store_load:
+            return None
+        if self._store_copy != (engine, engine.generation):
+            engine.put_store(self._scope, list(self._store.items()))
+            self._store_copy = (engine, engine.generation)
+        return self._scope
 
     def forget(self, cell: Cell) -> None:
         """Remove a closed cell; an idle session's own engine is released after a while."""
@@ -522,8 +545,12 @@ class LocalSession(CodeModeSession):
             identifier = normalize_identifier(tool.name)
             callable_tools.append((identifier, index))
             listed.append({"name": identifier, "description": tool.description})
-        store = list(self._store.items()) if self._store_load else None
-        config = {"tools": callable_tools, "all": listed, "store": store, "console": self._console}
+        config = {
+            "tools": callable_tools,
+            "all": listed,
+            "store": self._store_load,
+            "console": self._console,
+        }
         return _ENCODER.encode(config).decode()
 
     def _abandon(self, cell_id: CellId) -> None:

@@ -13,8 +13,12 @@
 // everything it queued in one turn as one frame. Diagnostics go to stderr.
 //
 // Python -> host
-//   {t:'exec', cell:int, heap:int|null, source:str, config:str}
-//                                                 run a cell; `config` is the prelude's JSON text
+//   {t:'exec', cell:int, heap:int|null, source:str, config:str, scope:int|null}
+//                                                 run a cell; `config` is the prelude's JSON text,
+//                                                 `scope` the session whose store it reads
+//   {t:'store', scope, put:[[key, json text]]}    committed store entries of a session (Python's
+//                                                 store is the authority; this is its copy here)
+//   {t:'forget', scope}                           drop a session's store (the session ended)
 //   {t:'results', cell, r:'[[call_id, ok, value]]'}  settle nested tool calls: JSON text (ok=false: error text)
 //   {t:'terminate', cell}                         stop the cell's isolate (works while it spins)
 //
@@ -193,6 +197,16 @@ class Cell {
     this.sendDone = undefined; // sends the cell's `done` (once its end is decided)
     this.exitRequested = false; // exit() ran: `done` went out at once, the isolate is stopped
     this.exitWrites = undefined; // the writes as exit() found them, when they changed after the end
+    this.store = null; // the Store this cell reads entry by entry (a large one), while it runs
+    this.before = null; // key -> its text (null: absent) when the cell started, if since changed
+  }
+
+  // The store's text of `key` as it was when this cell started (null: absent).
+  lookup(key) {
+    if (this.store === null || typeof key !== 'string') return null;
+    if (this.before.has(key)) return this.before.get(key);
+    const text = this.store.entries.get(key);
+    return text === undefined ? null : text;
   }
 
   // Runs `kind` inside the isolate. A failure here means the isolate died (memory limit,
@@ -239,6 +253,10 @@ class Cell {
     if (this.gone) return;
     this.gone = true;
     cells.delete(this.id);
+    if (this.store !== null) {
+      this.store.readers.delete(this);
+      this.store = this.before = null;
+    }
     for (const handle of this.timers.values()) clearTimeout(handle);
     this.timers.clear();
     const message = { t: 'exited', cell: this.id, reason };
@@ -509,6 +527,51 @@ function takeIsolate(limit) {
   return prepare(limit);
 }
 
+// -- stores --------------------------------------------------------------------------------------
+// Each session's store lives here as well as in Python, which sends what it commits (and all of it
+// to a new engine): an exec then carries no store, however large it grew. A cell reads the store
+// as it was when it started (runtime.md §6). A small store is given to the cell whole, as one
+// JSON text; from a larger one the cell fetches each key it loads (a synchronous call to this
+// thread, ≈50 µs), so that its start costs nothing in proportion to the store. A commit made
+// while such cells run keeps, for each of them, what it overwrote (Cell.before): work in
+// proportion to the commit, not to the store.
+const stores = new Map(); // scope -> Store
+const WHOLE_STORE_CHARS = 64 * 1024;
+
+class Store {
+  constructor() {
+    this.entries = new Map(); // key -> JSON text
+    this.chars = 0;
+    this.readers = new Set(); // running cells that fetch keys from this store
+    this.whole = undefined; // the entries as one JSON text (null: too large), made on demand
+  }
+
+  put(entries) {
+    for (const [key, text] of entries) {
+      const old = this.entries.get(key);
+      for (const cell of this.readers) {
+        if (!cell.before.has(key)) cell.before.set(key, old === undefined ? null : old);
+      }
+      this.entries.set(key, text);
+      this.chars += key.length + text.length - (old === undefined ? 0 : key.length + old.length);
+    }
+    this.whole = undefined;
+  }
+
+  wholeText() {
+    if (this.whole === undefined) {
+      this.whole = this.chars <= WHOLE_STORE_CHARS ? JSON.stringify([...this.entries]) : null;
+    }
+    return this.whole;
+  }
+}
+
+function storeOf(scope) {
+  let store = stores.get(scope);
+  if (store === undefined) stores.set(scope, store = new Store());
+  return store;
+}
+
 function exec(message) {
   lastGap = performance.now() - lastEnd;
   if (afterEndTimer !== null) { // came early: the spare is made when a cell ends
@@ -544,8 +607,22 @@ function exec(message) {
       prepareSpare(limit);
     }, SPARE_DELAY_MS);
   }
+  // The store the cell reads: whole (a JSON text), or key by key through `fetch`.
+  let whole = null;
+  let fetch = null;
+  if (Number.isSafeInteger(message.scope)) {
+    const store = storeOf(message.scope);
+    whole = store.wholeText();
+    if (whole === null) {
+      cell.store = store;
+      cell.before = new Map();
+      store.readers.add(cell);
+      fetch = new ivm.Callback((key) => cell.lookup(key));
+    }
+  }
   try {
-    cell.entry.applySync(undefined, ['configure', message.config], { arguments: { copy: true } });
+    cell.entry.applySync(undefined, ['configure', message.config, whole, fetch],
+      { arguments: { copy: true } });
   } catch (error) {
     cell.exit(/memory limit/i.test(String(error && error.message)) ? 'oom' : 'crashed',
       String((error && error.message) || error));
@@ -828,6 +905,12 @@ function onBatch(batch) {
         break;
       case 'terminate':
         terminate(message.cell);
+        break;
+      case 'store':
+        storeOf(message.scope).put(message.put);
+        break;
+      case 'forget':
+        stores.delete(message.scope);
         break;
       default:
         console.error(`codemode engine host: unknown message ${message.t}`);

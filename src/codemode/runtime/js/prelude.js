@@ -260,7 +260,8 @@
   let settled = false;
   let finished = false;
   let rewritten = false; // a store came after the end was decided
-  const stored = new MapCtor(); // key -> JSON text (snapshot + own writes)
+  const stored = new MapCtor(); // key -> JSON text, or null: absent (snapshot + own writes)
+  let fetchStored = null; // host.js: the snapshot's text of a key not in `stored` (a large store)
   const written = new MapCtor(); // key -> JSON text (own writes, committed on completion)
   const pendingCalls = new MapCtor(); // runtime tool call id -> [resolve, reject, site, tool index]
   const timers = new MapCtor(); // timer id -> callback
@@ -737,8 +738,14 @@
   }
 
   function load(key) {
-    const serialized = mapGet(stored, keyName(key, 'load key must be a string'));
-    return serialized === undefined ? undefined : parse(serialized);
+    const name = keyName(key, 'load key must be a string');
+    let serialized = mapGet(stored, name);
+    if (serialized === undefined && fetchStored !== null) {
+      serialized = fetchStored(name);
+      if (typeof serialized !== 'string') serialized = null;
+      mapSet(stored, name, serialized); // fetched once: the snapshot does not change
+    }
+    return typeof serialized === 'string' ? parse(serialized) : undefined;
   }
 
   // -- notify / yield / exit (§7-§9) --------------------------------------------------------------
@@ -882,7 +889,8 @@
   // uninterrupted run of the cell share a turn (decision 0004).
   let turn = 0;
 
-  function configure(configJson) {
+  // `wholeStore`: the store as JSON text [[key, json text]], or null with `fetch` (host.js).
+  function configure(configJson, wholeStore, fetch) {
     const config = parse(configJson);
     const tools = {};
     for (const [identifier, index] of config.tools) {
@@ -901,8 +909,12 @@
     install('image', opaque(image));
     install('audio', opaque(audio));
     install('generatedImage', opaque(generatedImage));
-    if (config.store !== null) {
-      for (const [key, serialized] of config.store) mapSet(stored, key, serialized);
+    if (config.store) {
+      if (typeof wholeStore === 'string') {
+        for (const [key, serialized] of parse(wholeStore)) mapSet(stored, key, serialized);
+      } else if (typeof fetch === 'function') {
+        fetchStored = fetch;
+      }
       install('store', opaque(store));
       install('load', opaque(load));
     }
@@ -1016,8 +1028,8 @@
     later(bindFunction(apply, undefined, callback, undefined, NO_ARGUMENTS), ignore, failLater);
   }
 
-  return function entry(kind, a) {
-    if (kind === 'configure') configure(a);
+  return function entry(kind, a, b, c) {
+    if (kind === 'configure') configure(a, b, c);
     else if (kind === 'run') run(a);
     else if (kind === 'fail') finish(a);
     else if (kind === 'deliver') {
