@@ -335,17 +335,33 @@ def test_short_yields_on_a_terminal_print_progress_at_most_once_a_second() -> No
 def test_control_characters_of_a_cell_reach_a_terminal_escaped() -> None:
     # A cell's text went raw to the terminal: it could recolour it, set its title, write the
     # clipboard (OSC 52) or rewrite the "Script completed" header with a carriage return.
-    source = b'text("A\\x1b[31mRED\\x1b]0;TITLE\\x07\\rZ\\u009b\\ttab"); notify("\\x1b[2J")'
+    source = (
+        b'text("A\\x1b[31mRED\\x1b]0;TITLE\\x07\\rZ\\u009b\\ttab\\u202eevil"); notify("\\x1b[2J")'
+    )
     done, written = on_a_terminal(["-"], source, stdout_too=True)
     assert done.returncode == 0, written
     assert b"\x1b" not in written and b"\x07" not in written and "\x9b".encode() not in written
-    assert b"A\\x1b[31mRED\\x1b]0;TITLE\\x07\\x0dZ\\u009b\ttab" in written
+    assert "\u202e".encode() not in written
+    assert b"A\\x1b[31mRED\\x1b]0;TITLE\\x07\\x0dZ\\u009b\ttab\\u202eevil" in written
     assert b"notify: \\x1b[2J" in written
     # Piped, the text is the cell's own.
     piped = subprocess.run(
         [*CODEMODE, "run", "-"], input=source, capture_output=True, timeout=60, check=False
     )
-    assert "A\x1b[31mRED\x1b]0;TITLE\x07\rZ\x9b\ttab".encode() in piped.stdout
+    assert "A\x1b[31mRED\x1b]0;TITLE\x07\rZ\x9b\ttab\u202eevil".encode() in piped.stdout
+
+
+def test_json_on_a_terminal_escapes_what_json_leaves_raw() -> None:
+    # JSON escapes C0 controls itself; DEL, C1 controls (U+009B is a CSI) and bidirectional
+    # overrides it leaves raw, and they reached the terminal so.
+    source = b'text("a\\u007fb\\u009b31mc\\u202ed")'
+    done, written = on_a_terminal(["-", "--json"], source, stdout_too=True)
+    assert done.returncode == 0, written
+    for raw in ("\x7f", "\x9b", "\u202e"):
+        assert raw.encode() not in written
+    line = written[written.index(b'{"Result"') :].split(b"\n")[0].rstrip(b"\r")
+    items = json.loads(line)["Result"]["content_items"]
+    assert items == [{"type": "input_text", "text": "a\x7fb\x9b31mc\u202ed"}]
 
 
 @pytest.mark.parametrize(

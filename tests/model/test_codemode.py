@@ -455,8 +455,9 @@ async def test_concurrent_first_calls_share_one_session() -> None:
 async def test_exec_yield_wait_and_missing_cell_through_the_embedded_session() -> None:
     async with CodeMode(sample_registry(), clock=clock()) as code_mode:
         source = (
-            '// @exec: {"yield_time_ms": 50}\n'
-            'text("tick"); await new Promise(r => setTimeout(r, 300)); text("tock")'
+            # The cell yields itself: a yield timer would race with a cold engine's start.
+            '// @exec: {"yield_time_ms": 30000}\n'
+            'text("tick"); yield_control(); await new Promise(r => setTimeout(r, 300)); text("tock")'
         )
         started = await code_mode.handle(exec_call("call-1", source))
         assert started["output"] == [

@@ -73,11 +73,17 @@ def _describe_item(item: ContentItem) -> str:
 
 
 #: What a cell's text could steer a terminal with (colours, cursor moves, a window title, the
-#: clipboard, a line rewritten with a carriage return): control characters other than tab and
-#: newline, shown as escapes on a terminal.
+#: clipboard, a line rewritten with a carriage return, text shown in another order than it is):
+#: control characters other than tab and newline, and the bidirectional embeddings, overrides
+#: and isolates, shown as escapes on a terminal.
+_BIDI_CONTROLS: Final = (*range(0x202A, 0x202F), *range(0x2066, 0x206A))
 _TERMINAL_ESCAPES: Final = {
     code: f"\\x{code:02x}" for code in (*range(0x20), 0x7F) if code not in (0x09, 0x0A)
-} | {code: f"\\u{code:04x}" for code in range(0x80, 0xA0)}
+} | {code: f"\\u{code:04x}" for code in (*range(0x80, 0xA0), *_BIDI_CONTROLS)}
+#: The same for --json on a terminal (JSON escapes the other controls itself), as JSON escapes.
+_JSON_TERMINAL_ESCAPES: Final = {
+    code: f"\\u{code:04x}" for code in (0x7F, *range(0x80, 0xA0), *_BIDI_CONTROLS)
+}
 
 
 def _for(stream: TextIO, text: str) -> str:
@@ -269,8 +275,11 @@ async def _run(args: argparse.Namespace, source: str | None) -> int:
                 return 2
             status = await _run_cell(args, parsed, registry, final)
     if final:
+        line = final[0]
+        if sys.stdout.isatty():
+            line = line.decode().translate(_JSON_TERMINAL_ESCAPES).encode()
         try:
-            sys.stdout.buffer.write(final[0])
+            sys.stdout.buffer.write(line)
             sys.stdout.flush()
         except BrokenPipeError:
             _discard(sys.stdout)
