@@ -375,7 +375,7 @@ async function __exercise() {
     () => audio('data:audio/mpeg;base64,AAAA'), () => audio({audio_url: 'data:audio/mpeg;base64,AAAA'}),
     () => notify('exercise'), () => notify({a: 1}),
     () => store('exercise', {a: [1, {b: 2}], s: 'x'}), () => load('exercise'), () => load('missing'),
-    () => store(7, 'seven'), () => load(7),
+    () => store(7, 'seven'), () => load(7), () => load('pad'),
     () => clearTimeout(setTimeout(() => {}, 1e6)),
     () => image(5), () => image('https://example.com/a.png'), () => image(__P, 'medium'),
     () => audio(5), () => generatedImage(5),

@@ -82,14 +82,27 @@ async def probe(
     end: bool = True,
     minimum: int = 1,
     timeout: float = 30.0,
+    store: str = "small",
 ) -> None:
-    """Run ``canary.cell(body)`` (plus ``__probeAll``) and check that nothing escaped."""
+    """Run ``canary.cell(body)`` (plus ``__probeAll``) and check that nothing escaped.
+
+    ``store="large"`` fills the session's store first, past what a cell is given whole: its
+    ``load`` then fetches keys from the engine's main thread.
+    """
     delegate = RecordingDelegate()
     session = await harness.session(delegate)
+    if store == "large":
+        filled = await finish(session, f"store('pad', 'p'.repeat({LARGE_STORE_CHARS}))")
+        assert filled.error_text is None, filled.error_text
     source = canary.cell(body + "\n__probeAll('harvest');\n" if end else body, end=end)
     result = await finish(session, source, timeout=timeout)
     assert_no_escape(canary, result, delegate)
     assert_probes_sound(result, end=end, minimum=minimum)
+
+
+#: More than the runtime gives a cell whole (64 Ki characters).
+LARGE_STORE_CHARS = 80 * 1024
+STORES = ["small", "large"]
 
 
 # -- 1. the global object and its prototype chain ------------------------------------------------
@@ -552,7 +565,8 @@ async def test_hostile_arguments(harness: Harness, canary: Canary, value: str) -
     await probe(harness, canary, body)
 
 
-async def test_prepare_stack_trace_frames(harness: Harness, canary: Canary) -> None:
+@pytest.mark.parametrize("store", STORES)
+async def test_prepare_stack_trace_frames(harness: Harness, canary: Canary, store: str) -> None:
     # Every structured stack trace that passes through a helper or a tool call: the receivers and
     # functions of its frames must all be this realm's (V8 hides them for strict frames).
     body = (
@@ -595,7 +609,7 @@ await __exercise();
         + _OVERFLOW % {"call": "text({toJSON() { return new Error('deep').stack; }})", "width": 200}
         + "Error.prepareStackTrace = undefined;\n"
     )
-    await probe(harness, canary, body, timeout=45)
+    await probe(harness, canary, body, timeout=45, store=store)
 
 
 async def test_prepare_stack_trace_on_the_uncaught_error(harness: Harness, canary: Canary) -> None:
@@ -720,15 +734,18 @@ def _override_source(target: str, keys: list[str]) -> str:
     )
 
 
+@pytest.mark.parametrize("store", STORES)
 @pytest.mark.parametrize("group", sorted(OVERRIDES))
-async def test_overridden_builtins(harness: Harness, canary: Canary, group: str) -> None:
+async def test_overridden_builtins(
+    harness: Harness, canary: Canary, group: str, store: str
+) -> None:
     target, keys = OVERRIDES[group]
     body = (
         _override_source(target, keys)
         + "try { await __exercise(); } catch (e) { __harvest(e); }\n"
         + "__restore();\n"
     )
-    await probe(harness, canary, body)
+    await probe(harness, canary, body, store=store)
 
 
 async def test_installed_globals_replaced_by_proxies(harness: Harness, canary: Canary) -> None:
