@@ -225,7 +225,8 @@ async def test_writes_repeating_a_key_are_counted_once(monkeypatch: pytest.Monke
         assert session.commit(forged) == (
             "exec cell store writes were discarded: the session store would exceed 1000 characters"
         )
-        assert session.commit([("k", "1"), ("k", stored), ("j", "2")]) is None  # 600 + 2
+        # k: 1 + 599 + 64 for its entry; j: 1 + 1 + 64.
+        assert session.commit([("k", "1"), ("k", stored), ("j", "2")]) is None
 
 
 @pytest.mark.slow

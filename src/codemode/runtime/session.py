@@ -65,8 +65,12 @@ logger = logging.getLogger("codemode.runtime")
 
 _MIB: Final = 1024 * 1024
 _ENCODER: Final = msgspec.json.Encoder()
-#: The most a session's store may hold (characters of keys and JSON values).
+#: The most a session's store may hold (characters of keys and JSON values, and
+#: :data:`STORE_ENTRY_CHARS` for each key).
 MAX_STORE_CHARS: Final = 256 * 1024 * 1024
+#: What each stored key counts beyond its characters: Python and the engine pay for an entry as
+#: such (≈150 bytes here), so a store of millions of tiny entries is bounded too.
+STORE_ENTRY_CHARS: Final = 64
 #: Names each session's store in the engine processes (unique within this Python process).
 _scopes: Final = itertools.count(1)
 #: How long a session keeps its engine process without a live cell.
@@ -480,7 +484,7 @@ class LocalSession(CodeModeSession):
         size = self._store_chars
         for key, value in merged.items():
             old = self._store.get(key)
-            size += len(key) + len(value) - (0 if old is None else len(key) + len(old))
+            size += len(value) + (STORE_ENTRY_CHARS + len(key) if old is None else -len(old))
         if size > MAX_STORE_CHARS:
             return (
                 "exec cell store writes were discarded: the session store would exceed "

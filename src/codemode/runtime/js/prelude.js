@@ -89,6 +89,9 @@
   // Every item also costs this much, so that a flood of empty items is bounded too.
   const ITEM_OVERHEAD_CHARS = 64;
   const MAX_STORE_CHARS = 64 * 1024 * 1024; // keys and values a cell writes with store()
+  // Every key written also counts this much: the host pays for a stored entry as such, so that a
+  // flood of tiny entries is bounded too (as runtime/session.py counts the session's store).
+  const STORE_ENTRY_CHARS = 64;
   const MAX_PENDING_CALLS = 4096; // unsettled tool calls of one cell
   let storeChars = 0;
   let outputChars = 0;
@@ -721,8 +724,9 @@
     if (refusal !== null) throw refusal;
     if (finished) return;
     const previous = mapGet(written, name);
-    const grown = storeChars + name.length + serialized.length -
-      (previous === undefined ? 0 : name.length + previous.length);
+    const grown = previous === undefined
+      ? storeChars + STORE_ENTRY_CHARS + name.length + serialized.length
+      : storeChars + serialized.length - previous.length;
     if (grown > MAX_STORE_CHARS) {
       throw 'store exceeds the limit of ' + MAX_STORE_CHARS + ' characters written per cell';
     }
