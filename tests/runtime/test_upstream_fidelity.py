@@ -441,7 +441,9 @@ async def run_all(provider: CodeModeSessionProvider) -> list[Outcome]:
                         tool_call_id="c",
                         source=source,
                         enabled_tools=list(FIXTURE_TOOLS),
-                        yield_time_ms=5000,
+                        # Every cell ends (or yields itself): a long yield time only keeps
+                        # a loaded machine's slow engine start from reading as a yield.
+                        yield_time_ms=30_000,
                     )
                 )
                 return outcome(await started.initial_response())
