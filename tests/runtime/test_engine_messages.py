@@ -219,13 +219,13 @@ async def test_writes_repeating_a_key_are_counted_once(monkeypatch: pytest.Monke
     monkeypatch.setattr(session_module, "MAX_STORE_CHARS", 1000)
     async with LocalSessionProvider() as provider:
         session = await provider.create_session(RecordingDelegate())
-        stored = json.dumps("x" * 597)
+        stored = json.dumps("x" * 397)
         assert session.commit([("k", stored)]) is None
         forged = [("k", "1"), ("k", "1"), ("j", json.dumps("y" * 498)), ("k", stored)]
         assert session.commit(forged) == (
             "exec cell store writes were discarded: the session store would exceed 1000 characters"
         )
-        # k: 1 + 599 + 64 for its entry; j: 1 + 1 + 64.
+        # k: 1 + 399 + 256 for its entry; j: 1 + 1 + 256.
         assert session.commit([("k", "1"), ("k", stored), ("j", "2")]) is None
 
 

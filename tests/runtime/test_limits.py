@@ -65,7 +65,7 @@ async def test_what_one_cell_stores_is_bounded(session: LocalSession) -> None:
 
 
 async def test_tiny_store_entries_count_for_their_key_too(session: LocalSession) -> None:
-    # Each key counts 64 characters beyond its own: 64 Mi characters of one-character values
+    # Each key counts 256 characters beyond its own: 64 Mi characters of one-character values
     # under short keys were 16 million entries, which the host paid for per entry (decoding them
     # held its event loop for seconds and took gigabytes).
     result = await run(
@@ -74,7 +74,7 @@ async def test_tiny_store_entries_count_for_their_key_too(session: LocalSession)
     assert result.error_text is None
     texts = [item.text for item in result.content_items]  # type: ignore[union-attr]
     assert texts[0] == "store exceeds the limit of 67108864 characters written per cell"
-    assert 64 * 2**20 // (64 + 8) <= int(texts[1]) <= 64 * 2**20 // (64 + 2)
+    assert 64 * 2**20 // (256 + 8) <= int(texts[1]) <= 64 * 2**20 // (256 + 2)
 
 
 async def test_the_session_store_is_bounded(

@@ -70,7 +70,7 @@ _ENCODER: Final = msgspec.json.Encoder()
 MAX_STORE_CHARS: Final = 256 * 1024 * 1024
 #: What each stored key counts beyond its characters: Python and the engine pay for an entry as
 #: such (≈150 bytes here), so a store of millions of tiny entries is bounded too.
-STORE_ENTRY_CHARS: Final = 64
+STORE_ENTRY_CHARS: Final = 256
 #: Names each session's store in the engine processes (unique within this Python process).
 _scopes: Final = itertools.count(1)
 #: How long a session keeps its engine process without a live cell.

@@ -91,7 +91,7 @@
   const MAX_STORE_CHARS = 64 * 1024 * 1024; // keys and values a cell writes with store()
   // Every key written also counts this much: the host pays for a stored entry as such, so that a
   // flood of tiny entries is bounded too (as runtime/session.py counts the session's store).
-  const STORE_ENTRY_CHARS = 64;
+  const STORE_ENTRY_CHARS = 256;
   const MAX_PENDING_CALLS = 4096; // unsettled tool calls of one cell
   let storeChars = 0;
   let outputChars = 0;
