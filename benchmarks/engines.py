@@ -337,7 +337,10 @@ class Cell:
         pass
 
     def on_done(
-        self, error: str | None, writes: list[tuple[str, str]], call: tuple[int, int, int] | None
+        self,
+        error: str | None,
+        writes: list[tuple[str, msgspec.Raw]],
+        call: tuple[int, int, int] | None,
     ) -> None:
         self.ended_at = time.perf_counter()
         if not self.done.done():

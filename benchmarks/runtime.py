@@ -45,6 +45,8 @@ from functools import partial
 from pathlib import Path
 from typing import Final
 
+import msgspec
+
 from benchmarks.common import (
     loop_source,
     only_text,
@@ -184,7 +186,10 @@ class Sink:
         """Ignored."""
 
     def on_done(
-        self, error: str | None, writes: list[tuple[str, str]], call: tuple[int, int, int] | None
+        self,
+        error: str | None,
+        writes: list[tuple[str, msgspec.Raw]],
+        call: tuple[int, int, int] | None,
     ) -> None:
         """The cell completed (``error`` is None on success)."""
         if not self.done.done():

@@ -12,6 +12,7 @@ import json
 import os
 from typing import Any
 
+import msgspec
 import pytest
 
 from codemode.protocol import (
@@ -50,7 +51,10 @@ class Events:
         self.seen.append(("yield", turn))
 
     def on_done(
-        self, error: str | None, writes: list[tuple[str, str]], call: tuple[int, int, int] | None
+        self,
+        error: str | None,
+        writes: list[tuple[str, msgspec.Raw]],
+        call: tuple[int, int, int] | None,
     ) -> None:
         self.seen.append(("done", (error, writes, call)))
 
@@ -217,16 +221,41 @@ async def test_writes_repeating_a_key_are_counted_once(monkeypatch: pytest.Monke
     # The store's size was counted per write against the store before the writes: a key written
     # again and again took its old size off each time, and the store outgrew its limit.
     monkeypatch.setattr(session_module, "MAX_STORE_CHARS", 1000)
+
+    def raw(*writes: tuple[str, str]) -> list[tuple[str, msgspec.Raw]]:
+        return [(key, msgspec.Raw(text.encode())) for key, text in writes]
+
     async with LocalSessionProvider() as provider:
         session = await provider.create_session(RecordingDelegate())
         stored = json.dumps("x" * 397)
-        assert session.commit([("k", stored)]) is None
-        forged = [("k", "1"), ("k", "1"), ("j", json.dumps("y" * 498)), ("k", stored)]
-        assert session.commit(forged) == (
+        assert await session.commit(raw(("k", stored)), lambda: True) is None
+        forged = raw(("k", "1"), ("k", "1"), ("j", json.dumps("y" * 498)), ("k", stored))
+        assert await session.commit(forged, lambda: True) == (
             "exec cell store writes were discarded: the session store would exceed 1000 characters"
         )
         # k: 1 + 399 + 256 for its entry; j: 1 + 1 + 256.
-        assert session.commit([("k", "1"), ("k", stored), ("j", "2")]) is None
+        assert (
+            await session.commit(raw(("k", "1"), ("k", stored), ("j", "2")), lambda: True) is None
+        )
+
+
+async def test_writes_merged_off_the_loop_are_those_merged_on_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Many writes are merged on a worker thread; the same writes merged on the loop (below the
+    # threshold) leave the same store, and a commit no longer wanted leaves it as it was.
+    async def committed(threshold: int, wanted: bool) -> dict[str, str]:
+        monkeypatch.setattr(session_module, "THREAD_WRITES", threshold)
+        async with LocalSessionProvider() as provider:
+            session = await provider.create_session(RecordingDelegate())
+            writes = [(f"k{i % 3000}", msgspec.Raw(str(i).encode())) for i in range(5000)]
+            assert await session.commit(writes, lambda: wanted) is None
+            return dict(session._store)
+
+    on_loop, off_loop = await committed(10**9, True), await committed(1, True)
+    assert on_loop == off_loop
+    assert len(on_loop) == 3000 and on_loop["k0"] == "3000" and on_loop["k2999"] == "2999"
+    assert await committed(1, False) == {}
 
 
 @pytest.mark.slow

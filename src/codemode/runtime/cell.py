@@ -445,7 +445,10 @@ class Cell:
         self._notifications.pop(task, None)
 
     def on_done(
-        self, error: str | None, writes: list[tuple[str, str]], call: tuple[int, int, int] | None
+        self,
+        error: str | None,
+        writes: list[tuple[str, msgspec.Raw]],
+        call: tuple[int, int, int] | None,
     ) -> None:
         # The engine host cuts a longer text the same way before sending it (room for its note).
         if error is not None and len(error) > MAX_ERROR_TEXT_CHARS + 64:
@@ -484,7 +487,7 @@ class Cell:
     # -- ends ------------------------------------------------------------------------------------
 
     async def _finish(
-        self, error: str | None, writes: list[tuple[str, str]], natural: bool
+        self, error: str | None, writes: list[tuple[str, msgspec.Raw]], natural: bool
     ) -> None:
         """Natural-completion order (§13.7); a termination that wins the race stops it."""
         if natural and self._notifications:
@@ -495,7 +498,9 @@ class Cell:
         if self._state is not _State.FINISHING:
             return  # a termination won the race: the completion is discarded
         if natural:
-            refused = self._session.commit(writes)
+            refused = await self._session.commit(writes, self._finishing)
+            if not self._finishing():
+                return  # terminated while the writes were merged: discarded with the completion
             if refused is not None and error is None:
                 error = refused
         self._error_text = error
@@ -505,6 +510,9 @@ class Cell:
             self._hand_out()  # nobody waited for it: buffered 0
         else:
             self._completed_at = time.monotonic_ns()
+
+    def _finishing(self) -> bool:
+        return self._state is _State.FINISHING
 
     async def _settle_calls(self) -> None:
         tasks = self._cancel(dict(self._calls.values()))

@@ -99,7 +99,10 @@ class CellEvents(Protocol):
     def on_notify(self, text: str) -> None: ...
     def on_yield(self, turn: int) -> None: ...
     def on_done(
-        self, error: str | None, writes: list[tuple[str, str]], call: tuple[int, int, int] | None
+        self,
+        error: str | None,
+        writes: list[tuple[str, msgspec.Raw]],
+        call: tuple[int, int, int] | None,
     ) -> None: ...
     def on_exited(self, reason: str, detail: str | None) -> None: ...
 
@@ -567,15 +570,21 @@ class NodeEngine:
         )
         return key
 
-    def put_store(self, scope: int, entries: list[tuple[str, str]]) -> None:
+    def put_store(
+        self, scope: int, entries: list[tuple[str, str]], chars: int | None = None
+    ) -> None:
         """Set store entries (key, JSON text) of ``scope`` in this engine's copy of it.
 
         Cells read the store of their scope as it was when they started; entries sent here
         before a :meth:`run_cell` are part of that cell's. A large put leaves in frames of its
-        own, about :data:`STORE_CHUNK_CHARS` characters each. Nothing is sent while the child
-        is not running: the next child starts with no store (see :attr:`generation`).
+        own, about :data:`STORE_CHUNK_CHARS` characters each (``chars``, the entries' total
+        when known, spares counting them). Nothing is sent while the child is not running: the
+        next child starts with no store (see :attr:`generation`).
         """
         if not self.running:
+            return
+        if chars is not None and chars < STORE_CHUNK_CHARS:
+            self._send({"t": "store", "scope": scope, "put": entries})
             return
         chunk: list[tuple[str, str]] = []
         size = 0
@@ -690,11 +699,10 @@ class NodeEngine:
         elif isinstance(message, _Yield):
             events.on_yield(message.turn)
         elif isinstance(message, _Done):
+            # Checked here (a malformed text is a breach), turned into texts by the commit.
             try:
-                writes = [
-                    (key, bytes(value).decode()) for key, value in _WRITES.decode(message.writes)
-                ]
-            except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as error:
+                writes = _WRITES.decode(message.writes)
+            except (msgspec.DecodeError, UnicodeError, RecursionError) as error:
                 raise EngineBreach(f"malformed store writes: {error}") from None
             events.on_done(message.error, writes, message.call)
         elif isinstance(message, _Exited):

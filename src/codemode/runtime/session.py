@@ -71,6 +71,8 @@ MAX_STORE_CHARS: Final = 256 * 1024 * 1024
 #: What each stored key counts beyond its characters: Python and the engine pay for an entry as
 #: such (≈150 bytes here), so a store of millions of tiny entries is bounded too.
 STORE_ENTRY_CHARS: Final = 256
+#: Store writes of at least this many entries are merged on a worker thread, off the event loop.
+THREAD_WRITES: Final = 2048
 #: Names each session's store in the engine processes (unique within this Python process).
 _scopes: Final = itertools.count(1)
 #: How long a session keeps its engine process without a live cell.
@@ -301,6 +303,7 @@ class LocalSession(CodeModeSession):
         self._store: dict[str, str] = {}
         self._store_chars = 0
         self._scope = next(_scopes)
+        self._committing = asyncio.Lock()
         # The engine (and its child's generation) that holds a copy of the whole store.
         self._store_copy: tuple[NodeEngine, int] | None = None
         self._cells: dict[CellId, Cell] = {}
@@ -470,32 +473,52 @@ class LocalSession(CodeModeSession):
 
     # -- helpers for cells ---------------------------------------------------------------------------
 
-    def commit(self, writes: list[tuple[str, str]]) -> str | None:
-        """Merge a naturally completed cell's store writes (per key, last writer wins).
+    async def commit(
+        self, writes: list[tuple[str, msgspec.Raw]], wanted: Callable[[], bool]
+    ) -> str | None:
+        """Merge a naturally completed cell's store writes (per key, last writer wins), unless
+        ``wanted()`` has turned false meanwhile (a termination won the race).
 
         Returns an error text instead when the session's store would outgrow its limit (the
-        writes are then discarded whole).
+        writes are then discarded whole). Commits apply one at a time, in the order they come;
+        many writes are merged on a worker thread, so that a cell's thousands of entries do not
+        hold the event loop every session shares.
         """
         if not self._store_load or not writes:
             return None
-        # Merged first: the engine is untrusted, and a key written twice must be counted once
-        # (with its last value), or the count drifts from the store's real size.
-        merged = dict(writes)
-        size = self._store_chars
-        for key, value in merged.items():
-            old = self._store.get(key)
-            size += len(value) + (STORE_ENTRY_CHARS + len(key) if old is None else -len(old))
-        if size > MAX_STORE_CHARS:
-            return (
-                "exec cell store writes were discarded: the session store would exceed "
-                f"{MAX_STORE_CHARS} characters"
-            )
-        self._store.update(merged)
-        self._store_chars = size
-        copy = self._store_copy
-        if copy is not None and copy[0].generation == copy[1]:
-            copy[0].put_store(self._scope, list(merged.items()))
+        async with self._committing:
+            if len(writes) < THREAD_WRITES:
+                merged, size, chars = self._merge(writes)
+            else:
+                merged, size, chars = await asyncio.to_thread(self._merge, writes)
+            if not wanted():
+                return None
+            if size > MAX_STORE_CHARS:
+                return (
+                    "exec cell store writes were discarded: the session store would exceed "
+                    f"{MAX_STORE_CHARS} characters"
+                )
+            self._store.update(merged)
+            self._store_chars = size
+            copy = self._store_copy
+            if copy is not None and copy[0].generation == copy[1]:
+                copy[0].put_store(self._scope, list(merged.items()), chars)
         return None
+
+    def _merge(self, writes: list[tuple[str, msgspec.Raw]]) -> tuple[dict[str, str], int, int]:
+        # The writes as texts, merged first: the engine is untrusted, and a key written twice
+        # must be counted once (with its last value), or the count drifts from the store's real
+        # size. Also the store's size with them, and their own characters. Reads the store
+        # only (commits are one at a time: nothing changes it meanwhile).
+        merged = {key: bytes(value).decode() for key, value in writes}
+        size = self._store_chars
+        chars = 0
+        store = self._store
+        for key, value in merged.items():
+            old = store.get(key)
+            size += len(value) + (STORE_ENTRY_CHARS + len(key) if old is None else -len(old))
+            chars += len(key) + len(value)
+        return merged, size, chars
 
     def _copy_store(self, engine: NodeEngine) -> int | None:
         # The engine keeps a copy of the store (Python's is the one that counts): an engine
