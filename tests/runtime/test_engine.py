@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import sys
+from typing import Any
 
 import pytest
 
@@ -21,7 +22,7 @@ from codemode.protocol import (
     ToolDefinition,
     ToolName,
 )
-from codemode.runtime import InvalidLimitsError, LocalSession, LocalSessionProvider
+from codemode.runtime import InvalidLimitsError, LocalSession, LocalSessionProvider, NodeEngine
 from codemode.session import (
     CancellationToken,
     CodeModeSessionDelegate,
@@ -424,3 +425,27 @@ async def test_an_engine_whose_stdin_ends_exits_by_itself_with_a_cell_in_a_loop(
             transport.kill()
         pytest.fail("an engine did not exit at the end of its stdin")
     assert [transport.get_returncode() for transport, _ in transports] == [0, 0, 0, 0]
+
+
+async def test_a_flood_of_small_messages_reaches_python_in_frames_of_at_most_1024(
+    provider: LocalSessionProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Python handles a frame's messages in the loop iteration that read it: 130,000 empty items
+    # in one frame (8 MiB by the engine's estimate) held that loop for 0.3 s, which every
+    # session of the process shares.
+    sizes: list[int] = []
+    dispatch = NodeEngine._dispatch
+
+    def record(self: NodeEngine, batch: list[Any]) -> None:
+        sizes.append(len(batch))
+        dispatch(self, batch)
+
+    monkeypatch.setattr(NodeEngine, "_dispatch", record)
+    response = await run(
+        provider,
+        "for (let i = 0; i < 5000; i++) text(''); for (let i = 0; i < 3000; i++) notify('n')",
+    )
+    assert response.error_text is None
+    assert len(response.content_items) == 5000
+    assert sum(sizes) >= 8000
+    assert max(sizes) <= 1024

@@ -55,8 +55,11 @@ const PRELUDE_FILE = path.join(__dirname, 'prelude.js');
 const PRELUDE = fs.readFileSync(PRELUDE_FILE, 'utf8');
 // isolated-vm refuses smaller isolates; a smaller heap limit is still reported as asked.
 const MIN_ISOLATE_MB = 8;
-// Flush early when a batch grows large, so one frame stays far below the reader's cap.
+// Flush early when a batch grows large, so one frame stays far below the reader's cap; and when
+// it holds many messages, which Python handles one by one in the loop iteration that reads
+// their frame (a cell's flood of empty items or notifications held that loop for 0.2-0.3 s).
 const FLUSH_BYTES = 8 * 1024 * 1024;
+const FLUSH_MESSAGES = 1024;
 
 function loadIsolatedVm(dir) {
   const base = path.join(dir, 'prebuilds', `${process.platform}-${process.arch}`);
@@ -109,7 +112,7 @@ function flush() {
 function send(message, bytes) {
   outbox.push(message);
   outboxBytes += bytes || 64;
-  if (outboxBytes >= FLUSH_BYTES) flush();
+  if (outboxBytes >= FLUSH_BYTES || outbox.length >= FLUSH_MESSAGES) flush();
   else if (!flushQueued) {
     flushQueued = true;
     setImmediate(flush);
