@@ -226,8 +226,23 @@ async def test_s10_terminated_cell_discards_stores(harness: Harness) -> None:
     )
 
 
-async def test_s11_cells_see_a_snapshot(harness: Harness) -> None:
+#: Stores of two sizes: a few characters, and more than the embedded runtime gives a cell whole
+#: (64 Ki characters), from which a cell fetches the keys it loads.
+STORE_PADS = {"small": 0, "large": 80 * 1024}
+
+
+async def padded(session: CodeModeSession, store: str) -> None:
+    """Bring the session's store to the ``store`` size of :data:`STORE_PADS`."""
+    if STORE_PADS[store]:
+        assert (
+            await run(session, f'store("pad", "p".repeat({STORE_PADS[store]}))')
+        ).error_text is None
+
+
+@pytest.mark.parametrize("store", STORE_PADS)
+async def test_s11_cells_see_a_snapshot(harness: Harness, store: str) -> None:
     session = await harness.session()
+    await padded(session, store)
     await run(session, 'store("k", "old")')
     cell, response = await start(
         session,
@@ -251,9 +266,12 @@ async def test_s12_commits_in_completion_order(harness: Harness) -> None:
     assert (await run(session, 'text(load("k"))')).content_items == items("A")
 
 
-async def test_s13_sessions_are_isolated(harness: Harness) -> None:
+@pytest.mark.parametrize("store", STORE_PADS)
+async def test_s13_sessions_are_isolated(harness: Harness, store: str) -> None:
     first = await harness.session()
     second = await harness.session()
+    await padded(first, store)
+    await padded(second, store)
     await run(first, 'store("key", "visible")')
     assert (await run(first, 'text(String(load("key")))')).content_items == items("visible")
     assert (await run(second, 'text(String(load("key")))')).content_items == items("undefined")
