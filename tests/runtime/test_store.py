@@ -175,3 +175,26 @@ async def test_a_large_store_reaches_a_new_engine_in_many_frames(
         )
         assert await run(session, source) == [str(total)]
         assert session.engine is not first
+
+
+async def test_a_cell_stopped_while_it_fetches_keys_leaves_its_engine_running(
+    provider: LocalSessionProvider,
+) -> None:
+    # The isolate is disposed while its thread waits in (or between) synchronous fetches from
+    # the engine's main thread: the engine lives on, and so does the session's store.
+    session = await provider.create_session(CodeModeSessionDelegate())
+    await padded(session, "large")
+    started = await session.execute(
+        ExecuteRequest(
+            tool_call_id="c",
+            source="text('looping'); for (let i = 0; ; i++) load('absent' + i)",
+            yield_time_ms=200,
+        )
+    )
+    first = await asyncio.wait_for(started.initial_response(), 30)
+    assert first.content_items == [InputText("looping")]
+    assert session.engine is not None
+    pid = session.engine.pid
+    await asyncio.wait_for(session.terminate(started.cell_id), 30)
+    assert await run(session, "text(String(load('pad').length))") == [str(SIZES["large"])]
+    assert session.engine.pid == pid
