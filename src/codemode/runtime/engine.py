@@ -577,8 +577,8 @@ class NodeEngine:
 
         Cells read the store of their scope as it was when they started; entries sent here
         before a :meth:`run_cell` are part of that cell's. A large put leaves in frames of its
-        own, about :data:`STORE_CHUNK_CHARS` characters each (``chars``, the entries' total
-        when known, spares counting them). Nothing is sent while the child is not running: the
+        own, about :data:`STORE_CHUNK_CHARS` characters each (``chars``, at most the entries'
+        characters when known, spares counting them). Nothing is sent while the child is not running: the
         next child starts with no store (see :attr:`generation`).
         """
         if not self.running:

@@ -526,7 +526,9 @@ class LocalSession(CodeModeSession):
         if not self._store_load:
             return None
         if self._store_copy != (engine, engine.generation):
-            engine.put_store(self._scope, list(self._store.items()))
+            # The counted size bounds the characters: a store of many small entries is sent
+            # without counting them again.
+            engine.put_store(self._scope, list(self._store.items()), self._store_chars)
             self._store_copy = (engine, engine.generation)
         return self._scope
 
