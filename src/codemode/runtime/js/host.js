@@ -158,6 +158,11 @@ function errorBytes(text) {
   return text.length <= LARGE_CHARS ? text.length * 6 : Buffer.byteLength(JSON.stringify(text), 'utf8');
 }
 const IMAGE_DETAILS = ['auto', 'low', 'high', 'original'];
+// The prelude's own bounds, held here too (a subverted prelude gets no further): pending timers
+// per cell (each a Node timer on this thread, outside the isolate's heap limit) and the length of
+// a call id (Python ends an engine that sends a longer one, with every cell on it).
+const MAX_TIMERS = 10000;
+const MAX_CALL_ID_CHARS = 64;
 const cells = new Map(); // cell -> Cell
 let leaving = false; // leave() ran: the process is ending
 // How long leave() lets the process end by itself before it exits regardless.
@@ -329,7 +334,8 @@ class Cell {
       sendLarge(message, kept.length);
     };
     const call = (id, tool, input) => {
-      if (!live() || typeof id !== 'string' || !Number.isSafeInteger(tool)) return;
+      if (!live() || typeof id !== 'string' || id.length > MAX_CALL_ID_CHARS) return;
+      if (!Number.isSafeInteger(tool)) return;
       const text = typeof input === 'string' ? wellFormed(input) : null;
       if (text !== null && tooLarge(text)) { // refused here, as the call's rejection
         const refusal = `tool input of ${text.length} characters is too large to send`;
@@ -403,6 +409,9 @@ class Cell {
     };
     const setTimer = (id, ms) => {
       if (!live() || !Number.isSafeInteger(id) || typeof ms !== 'number') return;
+      const replaced = cell.timers.get(id);
+      if (replaced !== undefined) clearTimeout(replaced); // one timer per id, not one left behind
+      else if (cell.timers.size >= MAX_TIMERS) return;
       cell.timers.set(id, setTimeout(() => {
         cell.timers.delete(id);
         cell.enter('timer', id);

@@ -1,0 +1,155 @@
+"""The engine's main thread (``host.js``) does not trust its isolate.
+
+The prelude is the only code in an isolate that holds the host callback, and it checks what a cell
+asks of it; ``host.js`` checks the same things again, out of the isolate's reach. These tests take
+the prelude's checks away: each engine runs a prelude that hands the cell the raw callback
+(``__host``) and counts the timers fired into the isolate (``__fired``), so that the cell speaks
+to ``host.js`` as a subverted prelude would. What ``host.js`` refuses must then be refused quietly
+(the engine, and every other cell on it, goes on), and what it bounds must stay bounded.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from codemode.protocol import InputImage, InputText, Result
+from codemode.protocol.types import ImageDetail
+from codemode.runtime import LocalSession, LocalSessionProvider
+from codemode.runtime import engine as engine_module
+from tests.contract.delegate import RecordingDelegate
+from tests.sandbox.conftest import start, texts
+
+pytestmark = pytest.mark.timeout(60)
+
+_PRELUDE_HEAD = "(function installPrelude(host, wrapColumns) {\n  'use strict';\n"
+_ENTRY_HEAD = "  return function entry(kind, a, b, c) {\n"
+
+
+@pytest.fixture
+async def session(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[tuple[LocalSession, RecordingDelegate]]:
+    js = tmp_path / "js"
+    shutil.copytree(engine_module.JS_DIR, js)
+    prelude = (js / "prelude.js").read_text()
+    assert _PRELUDE_HEAD in prelude and _ENTRY_HEAD in prelude, "the prelude changed its shape"
+    prelude = prelude.replace(_PRELUDE_HEAD, _PRELUDE_HEAD + "  globalThis.__host = host;\n")
+    prelude = prelude.replace(
+        _ENTRY_HEAD,
+        _ENTRY_HEAD
+        + "    if (kind === 'timer') globalThis.__fired = (globalThis.__fired || 0) + 1;\n",
+    )
+    (js / "prelude.js").write_text(prelude)
+    monkeypatch.setattr(engine_module, "JS_DIR", js)
+    delegate = RecordingDelegate()
+    async with LocalSessionProvider() as provider:
+        yield await provider.create_session(delegate), delegate
+
+
+async def run(session: LocalSession, source: str) -> Result:
+    # Every cell first proves that it holds the raw callback, or the test would prove nothing.
+    _, response = await start(session, "text(typeof __host);\n" + source)
+    assert isinstance(response, Result), response
+    assert texts(response)[:1] == ["function"], response
+    return response
+
+
+async def assert_engine_goes_on(session: LocalSession, pid: int | None) -> None:
+    assert session.engine is not None and session.engine.pid == pid
+    assert texts(await run(session, 'text("next")')) == ["function", "next"]
+
+
+async def test_forged_media_items_are_dropped_or_mended_and_the_engine_goes_on(
+    session: tuple[LocalSession, RecordingDelegate],
+) -> None:
+    # Guards: host.js lets only data: URLs out as images or audio, only the item kinds it knows,
+    # and only known image details. Python ends an engine that sends anything else (with every
+    # cell on it): without host.js's checks this cell would end as a crash.
+    live, _ = session
+    response = await run(
+        live,
+        """
+        __host(0, 'input_image', 'https://attacker.example/leak', 'low');
+        __host(0, 'input_audio', 'file:///etc/passwd');
+        __host(0, 'input_file', 'data:text/plain;base64,AAA');
+        __host(0, 'input_text', 42);
+        __host(0, 'input_image', 'data:image/png;base64,AAA', 'bogus');
+        text('after');
+        """,
+    )
+    assert response.error_text is None
+    assert response.content_items == [
+        InputText("function"),
+        InputImage("data:image/png;base64,AAA", ImageDetail.HIGH),
+        InputText("after"),
+    ]
+    assert live.engine is not None
+    await assert_engine_goes_on(live, live.engine.pid)
+
+
+async def test_forged_calls_host_js_cannot_vouch_for_are_dropped(
+    session: tuple[LocalSession, RecordingDelegate],
+) -> None:
+    # Guards: host.js sends a call only with a string id of at most 64 characters and an integer
+    # tool index. Python ends an engine whose call breaks either (with every cell on it).
+    live, delegate = session
+    response = await run(
+        live,
+        """
+        __host(1, 5, 0, '{}');
+        __host(1, 'x'.repeat(65), 0, '{}');
+        __host(1, 'y', 1.5, '{}');
+        __host(1, 'z', 2 ** 60, '{}');
+        text('after');
+        """,
+    )
+    assert texts(response) == ["function", "after"]
+    assert response.error_text is None
+    assert delegate.calls == []
+    assert live.engine is not None
+    await assert_engine_goes_on(live, live.engine.pid)
+
+
+async def test_pending_timers_stay_bounded_without_the_prelude(
+    session: tuple[LocalSession, RecordingDelegate],
+) -> None:
+    # Guards: host.js keeps at most 10,000 pending timers per cell, as the prelude does: each is
+    # a Node timer on the engine's main thread, outside the isolate's heap limit, and a subverted
+    # prelude could otherwise set millions. The cell's own timer takes one of the 10,000.
+    live, _ = session
+    response = await run(
+        live,
+        """
+        const waited = new Promise((resolve) => setTimeout(resolve, 1000));
+        for (let i = 1; i <= 10050; i++) __host(5, 1000000 + i, 0);
+        await waited;
+        text(String(globalThis.__fired));
+        """,
+    )
+    assert texts(response) == ["function", "10000"]
+    assert live.engine is not None
+    await assert_engine_goes_on(live, live.engine.pid)
+
+
+async def test_a_timer_id_set_again_replaces_its_timer(
+    session: tuple[LocalSession, RecordingDelegate],
+) -> None:
+    # Guards: host.js clears the timer an id already has before it sets another under that id; a
+    # replaced timer left running would fire into the isolate all the same, unaccounted for.
+    live, _ = session
+    response = await run(
+        live,
+        """
+        const waited = new Promise((resolve) => setTimeout(resolve, 300));
+        __host(5, 777, 0);
+        __host(5, 777, 0);
+        __host(5, 777, 0);
+        await waited;
+        text(String(globalThis.__fired));
+        """,
+    )
+    assert texts(response) == ["function", "2"]  # the forged id once, and the cell's own timer
