@@ -10,6 +10,7 @@ to ``host.js`` as a subverted prelude would. What ``host.js`` refuses must then 
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,6 +21,7 @@ from codemode.protocol import InputImage, InputText, Result
 from codemode.protocol.types import ImageDetail
 from codemode.runtime import LocalSession, LocalSessionProvider
 from codemode.runtime import engine as engine_module
+from codemode.runtime.cell import MAX_NOTIFICATIONS_PER_CELL
 from tests.contract.delegate import RecordingDelegate
 from tests.sandbox.conftest import start, texts
 
@@ -153,3 +155,18 @@ async def test_a_timer_id_set_again_replaces_its_timer(
         """,
     )
     assert texts(response) == ["function", "2"]  # the forged id once, and the cell's own timer
+
+
+async def test_notifications_past_a_cells_bound_reach_no_delegate(
+    session: tuple[LocalSession, RecordingDelegate],
+) -> None:
+    # Guards: Python hands the delegate at most 10,000 notifications per cell, the prelude's
+    # bound checked again (cell.py): each costs the host a delegate callback (a frame to the
+    # client of a remote session), and a subverted prelude would otherwise send them without end.
+    live, delegate = session
+    response = await run(live, "for (let i = 0; i < 10050; i++) __host(2, 'n'); text('after');")
+    assert texts(response) == ["function", "after"]
+    async with asyncio.timeout(30):
+        while not delegate.closed:  # every callback of the cell has finished
+            await asyncio.sleep(0.01)
+    assert len(delegate.notifications) == MAX_NOTIFICATIONS_PER_CELL

@@ -75,6 +75,12 @@ PENDING_INPUTS_TOO_LARGE: Final = (
 #: far more than its characters once decoded (an empty object: 3 characters, ≈90 bytes), so the
 #: characters alone let one call of `[{},{},…]` take gigabytes.
 MAX_PENDING_INPUT_VALUES: Final = 4 * 1024 * 1024
+#: The notifications one cell may send (the prelude's bound, checked again here: each costs this
+#: process a delegate callback, and a subverted prelude would otherwise send them without end).
+MAX_NOTIFICATIONS_PER_CELL: Final = 10_000
+NOTIFICATIONS_EXHAUSTED: Final = (
+    f"the cell sent more than {MAX_NOTIFICATIONS_PER_CELL} notifications"
+)
 PENDING_VALUES_TOO_MANY: Final = (
     "tool call refused: the unsettled tool inputs of this session would hold more than "
     f"{MAX_PENDING_INPUT_VALUES} JSON values"
@@ -186,6 +192,7 @@ class Cell:
         self._failed_call: ToolCallSite | None = None
         self._calls: dict[str, tuple[asyncio.Future[Any], CancellationToken]] = {}
         self._notifications: dict[asyncio.Future[None], CancellationToken] = {}
+        self._notify_budget = MAX_NOTIFICATIONS_PER_CELL
         self._stopped = asyncio.Event()
         self._closed_event = asyncio.Event()
         self._began = time.monotonic()
@@ -426,6 +433,11 @@ class Cell:
 
     def on_notify(self, text: str) -> None:
         if self._state is not _State.RUNNING:
+            return
+        self._notify_budget -= 1
+        if self._notify_budget < 0:
+            if self._notify_budget == -1:  # logged once per cell, not once per message
+                logger.warning("%s", notification_not_delivered(NOTIFICATIONS_EXHAUSTED))
             return
         if self._session.pending_calls >= MAX_PENDING_DELEGATE_CALLS:
             logger.warning("%s", notification_not_delivered(TOO_MANY_CALLBACKS))
