@@ -121,13 +121,14 @@ async def test_pending_timers_stay_bounded_without_the_prelude(
 ) -> None:
     # Guards: host.js keeps at most 10,000 pending timers per cell, as the prelude does: each is
     # a Node timer on the engine's main thread, outside the isolate's heap limit, and a subverted
-    # prelude could otherwise set millions. The cell's own timer takes one of the 10,000.
+    # prelude could otherwise set millions. The cell's own timer takes one of the 10,000. (The
+    # forged timers fire after all of them were set: the bound is on timers pending at once.)
     live, _ = session
     response = await run(
         live,
         """
-        const waited = new Promise((resolve) => setTimeout(resolve, 1000));
-        for (let i = 1; i <= 10050; i++) __host(5, 1000000 + i, 0);
+        const waited = new Promise((resolve) => setTimeout(resolve, 2000));
+        for (let i = 1; i <= 10050; i++) __host(5, 1000000 + i, 500);
         await waited;
         text(String(globalThis.__fired));
         """,
@@ -146,10 +147,10 @@ async def test_a_timer_id_set_again_replaces_its_timer(
     response = await run(
         live,
         """
-        const waited = new Promise((resolve) => setTimeout(resolve, 300));
-        __host(5, 777, 0);
-        __host(5, 777, 0);
-        __host(5, 777, 0);
+        const waited = new Promise((resolve) => setTimeout(resolve, 1000));
+        __host(5, 777, 300);
+        __host(5, 777, 300);
+        __host(5, 777, 300);
         await waited;
         text(String(globalThis.__fired));
         """,
@@ -170,3 +171,27 @@ async def test_notifications_past_a_cells_bound_reach_no_delegate(
         while not delegate.closed:  # every callback of the cell has finished
             await asyncio.sleep(0.01)
     assert len(delegate.notifications) == MAX_NOTIFICATIONS_PER_CELL
+
+
+async def test_requests_of_unknown_kinds_or_odd_arguments_are_ignored(
+    session: tuple[LocalSession, RecordingDelegate],
+) -> None:
+    # Guards: host.js acts only on the kinds it numbers and on arguments of the types it expects
+    # (a `yield` whose turn is no integer, for one, is a frame Python ends the engine for).
+    live, delegate = session
+    response = await run(
+        live,
+        """
+        __host(99); __host(-1, 'x'); __host('1', 'id', 0, '{}'); __host();
+        __host(2, 42); __host(2, null);
+        __host(3, 'x'); __host(3, 1.5); __host(3, 2 ** 60);
+        __host(5, 'a', 1); __host(5, 1, '1'); __host(5, 1.5, 1); __host(6, 'x'); __host(6);
+        __host(7, 'x'); __host(8, '[]');
+        text('after');
+        """,
+    )
+    assert texts(response) == ["function", "after"]
+    assert response.error_text is None
+    assert delegate.notifications == []
+    assert live.engine is not None
+    await assert_engine_goes_on(live, live.engine.pid)
