@@ -214,6 +214,18 @@ def test_multiline_description_lines_are_trimmed_and_blank_ones_skipped() -> Non
     )
 
 
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("terminator", ["\r", "\u2028", "\u2029"])
+def test_description_line_terminators_other_than_newline_end_the_comment(terminator: str) -> None:
+    # Guards the `//` comments: JavaScript ends a line comment at CR, U+2028 and U+2029 too, so
+    # a description split only on `\n` let its tail (`evil: number;`) out of the comment, into
+    # the type the model reads as a property.
+    schema = {
+        "properties": {"a": {"type": "string", "description": f"first{terminator}evil: number;"}}
+    }
+    assert render_json_schema(schema) == "{\n  // first\n  // evil: number;\n  a?: string;\n}"
+
+
 def test_j17_recursive_refs_expand_twice_per_path() -> None:
     schema = {
         "type": "object",

@@ -54,6 +54,9 @@ _SIBLING_KEYWORDS: Final = (
 )
 _BAD_POINTER_ESCAPE: Final = re.compile(r"~(?![01])")
 _ARRAY_INDEX: Final = re.compile(r"0|[1-9][0-9]*")
+# Every character that ends a `//` comment in JavaScript/TypeScript, not only `\n`: a
+# description line must not carry the rest of itself out of its comment into the type.
+_LINE_TERMINATORS: Final = re.compile("[\n\r\u2028\u2029]")
 _ENCODER: Final = msgspec.json.Encoder()
 _MISSING: Final = object()
 
@@ -274,7 +277,7 @@ class _Renderer:
             if multiline and isinstance(value, dict):
                 description = value.get("description")
                 if isinstance(description, str):
-                    for raw_line in description.split("\n"):
+                    for raw_line in _LINE_TERMINATORS.split(description):
                         line = trim(raw_line)
                         if line:
                             lines.append(self._charge(f"  // {line}"))
