@@ -211,6 +211,26 @@ def test_shared_mcp_types_for_a_deferred_mcp_tool() -> None:
     assert description.count(CALL_TOOL_RESULT) == 1
 
 
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    ("name", "heading"),
+    [
+        ("hidden-dynamic-tool", "### `hidden_dynamic_tool` (`hidden-dynamic-tool`)"),
+        ("x\n## Fake section\ny", '### `x____Fake_section_y` (`"x\\n## Fake section\\ny"`)'),
+        ("a\rb\u2028c\x85", '### `a_b_c_` (`"a\\rb\\u2028c\\u0085"`)'),
+        ("a`b", "### `a_b` (``a`b``)"),
+        ("``x", "### `__x` (``` ``x ```)"),
+    ],
+)
+def test_a_raw_tool_name_stays_inside_its_heading(name: str, heading: str) -> None:
+    # Guards the exec description's structure: a tool provider's raw name holding a line break
+    # ended the heading and could start a section of its own (`## Fake section`), and one
+    # holding a backtick closed its code span early.
+    description = build_exec_description([function_tool(name, "Desc")], code_mode_only=True)
+    assert f"\n\n{heading}\nDesc\n\nexec tool declaration:" in description
+    assert "\n## Fake" not in description
+
+
 def test_namespace_sections_once_per_group() -> None:
     tools = [
         function_tool("a1", "A1", namespace="alpha"),

@@ -6,6 +6,8 @@ tool constrained by a Lark grammar, ``wait`` as a JSON function tool.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Final
@@ -175,6 +177,23 @@ def _helpers(store_load: bool, image_detail: bool, console: bool = False) -> str
     return "\n".join(lines)
 
 
+# Characters that end or break a markdown line (a model's tokenizer may read NEL and the Unicode
+# separators as line breaks too): a raw tool name holding one is written as a JSON string.
+_BREAKS_A_LINE: Final = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_BACKTICKS: Final = re.compile("`+")
+
+
+def _code_span(text: str) -> str:
+    """``text`` as a one-line markdown code span that none of its own characters can end."""
+    if _BREAKS_A_LINE.search(text):
+        quoted = json.dumps(text, ensure_ascii=False)
+        text = _BREAKS_A_LINE.sub(lambda match: f"\\u{ord(match.group()):04x}", quoted)
+    # CommonMark: a span opened by N backticks is closed only by a run of exactly N.
+    fence = "`" * (max((len(run) for run in _BACKTICKS.findall(text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
 def _tool_sections(
     tools: Sequence[ToolDefinition], namespaces: Mapping[str, NamespaceDescription]
 ) -> list[str]:
@@ -191,7 +210,9 @@ def _tool_sections(
         global_name = normalize_identifier(tool.name)
         heading = f"### `{global_name}`"
         if global_name != tool.name:
-            heading += f" (`{tool.name}`)"
+            # The raw name comes from the tool's provider: it must not end the heading (and
+            # start a section of its own) or close its code span early.
+            heading += f" ({_code_span(tool.name)})"
         sample = trim(render_tool_sample(tool))
         sections.append(f"{heading}\n{sample}" if sample else heading)
     return sections
