@@ -8,6 +8,7 @@ import ast
 import asyncio
 import importlib
 import re
+import runpy
 import subprocess
 import sys
 import textwrap
@@ -204,3 +205,21 @@ def test_the_session_snippet_runs(capsys: pytest.CaptureFixture[str]) -> None:
     asyncio.run(namespace["snippet"]())  # type: ignore[operator]
     printed = capsys.readouterr().out
     assert "error_text=None" in printed and "Oslo" in printed, printed
+
+
+@pytest.mark.timeout(60)
+def test_the_tools_page_snippets_run(tmp_path: Path) -> None:
+    """docs/tools.md: every ``python`` block runs as shown, on its own, as a module (compiling
+    alone let snippets that call names they never define through: ``get_time``,
+    ``slow_report_tool``). The MCP block is left out: it starts ``uvx mcp-server-time`` from the
+    network."""
+    blocks = _code_blocks((ROOT / "docs" / "tools.md").read_text(), "python")
+    ran = 0
+    for number, block in enumerate(blocks):
+        if "mcp_tools(" in block:
+            continue
+        snippet = tmp_path / f"tools_md_{number}.py"
+        snippet.write_text(block)
+        runpy.run_path(str(snippet), run_name=snippet.stem)
+        ran += 1
+    assert ran == len(blocks) - 1
