@@ -112,6 +112,38 @@ async def test_system_exit_through_a_timed_call_fails_its_call() -> None:
     assert await cell_texts(registry, CALL_T) == ["ERR tool `t` failed: SystemExit: bye", "after"]
 
 
+@pytest.mark.parametrize("timed", [False, True])
+@pytest.mark.parametrize("kind", ["sync", "inline", "async", "schema"])
+async def test_a_tool_raising_cancelled_error_itself_fails_its_call(
+    kind: str, timed: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A CancelledError of the tool's own (nobody cancelled its call) reached the cell as
+    # "code-mode delegate task was cancelled", naming no tool, and logged nothing.
+    registry = ToolRegistry()
+    registry.add(
+        tool_of(kind, raise_(asyncio.CancelledError("gone"))), timeout=5 if timed else None
+    )
+    with caplog.at_level("ERROR", logger="codemode.tools"):
+        texts = await cell_texts(registry, CALL_T)
+    assert texts == ["ERR tool `t` failed: CancelledError: gone", "after"]
+    assert [record.exc_info is not None for record in caplog.records] == [True]
+
+
+async def test_a_tool_awaiting_a_cancelled_task_fails_its_call() -> None:
+    # The usual way a tool meets a CancelledError of its own: it awaits another task (a shared
+    # fetch, say) that someone cancelled.
+    registry = ToolRegistry()
+
+    @registry.tool(name="t")
+    async def fetch() -> None:
+        shared = asyncio.ensure_future(asyncio.sleep(10))
+        asyncio.get_running_loop().call_soon(shared.cancel)
+        await shared
+
+    texts = await cell_texts(registry, CALL_T)
+    assert texts == ["ERR tool `t` failed: CancelledError: ", "after"]
+
+
 @pytest.mark.parametrize("kind", ["sync", "inline", "async"])
 async def test_an_exception_whose_str_fails_is_still_the_tools_failure(kind: str) -> None:
     registry = ToolRegistry([tool_of(kind, raise_(UnprintableError()))])

@@ -555,8 +555,12 @@ class Tool(Generic[P, R]):
             # A sync callable may return a coroutine; JSON values are never awaitable.
             if type(result) not in _JSON_TYPES and inspect.isawaitable(result):
                 result = await result
-        except (CodeModeError, asyncio.CancelledError):
+        except CodeModeError:
             raise
+        except asyncio.CancelledError as error:
+            if _cancel_requested():
+                raise
+            raise self._failure(error) from error
         except Exception as error:
             raise self._failure(error) from error
         except (SystemExit, KeyboardInterrupt) as error:
@@ -931,11 +935,13 @@ class ToolRegistry(CodeModeSessionDelegate):
             if carried is error:
                 raise
             raise carried from None
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as error:
             if guard is not None and guard.fired and task.cancelling() == 1:  # see _cancellable
                 task.uncancel()
                 raise CodeModeError(entry.cancelled) from None
-            raise
+            if task.cancelling():
+                raise
+            raise item._failure(error) from error  # the tool's own (see _cancel_requested)
         except Exception as error:
             raise item._failure(error) from error
         except (SystemExit, KeyboardInterrupt) as error:
@@ -1072,6 +1078,16 @@ def _lane(cell_id: CellId) -> object:
     cells `1` of two sessions are two lanes, and a cell's calls share one over any carrier."""
     cell = current_cell()
     return id(cell_id) if cell is None else cell
+
+
+def _cancel_requested() -> bool:
+    """Whether a ``CancelledError`` here comes from cancelling the task the call runs in (the
+    token, a timeout, whoever runs the session), not from the tool itself: one it raised, or
+    got by awaiting something cancelled (another task, a future), is its failure, which names
+    it and logs its traceback (it used to reach the cell as "code-mode delegate task was
+    cancelled", with nothing logged)."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
 
 
 def _checked_timeout(timeout: float | None) -> float | None:
