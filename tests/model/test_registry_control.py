@@ -8,7 +8,10 @@ import time
 
 import pytest
 
+from codemode.errors import CodeModeError
 from codemode.model import CodeMode, Deny, NestedCall, Rewrite, ToolRegistry
+from codemode.protocol.types import CellId, CodeModeNestedToolCall, CodeModeToolKind, ToolName
+from codemode.session import CancellationToken
 from tests.tools.cells import run_cell
 
 
@@ -181,3 +184,51 @@ async def test_a_cancelled_call_ends_its_tool_and_rejects_with_the_cancelled_tex
         await rendered
         await code_mode.handle_wait('{"cell_id": "1", "terminate": true}')
         await asyncio.wait_for(cancelled.wait(), 10)
+
+
+@pytest.mark.timeout(30)
+async def test_an_included_registry_serves_its_tools_with_its_own_hook_and_timeouts() -> None:
+    """``include`` keeps each tool's timeout and hook (``codemode run --tools`` merges a tool
+    file's registry into its own this way: the file's approval hook must still apply)."""
+    inner = ToolRegistry(before_call=lambda call: Deny("inner says no"), timeout=0.2)
+    inner.describe_namespace("files", "Files.")
+
+    @inner.tool(namespace="files")
+    def delete() -> None:
+        raise AssertionError("denied calls never run")
+
+    unguarded = ToolRegistry(timeout=0.2)
+
+    @unguarded.tool
+    async def hang() -> None:
+        await asyncio.sleep(30)
+
+    outer = ToolRegistry(before_call=lambda call: Deny("outer says no"))
+
+    @outer.tool
+    def own() -> None:
+        raise AssertionError("denied calls never run")
+
+    outer.include(inner)
+    outer.include(unguarded)
+    assert [definition.name for definition in outer.definitions()] == [
+        "own",
+        "files__delete",
+        "hang",
+    ]
+    assert outer.namespace_descriptions()["files"].description == "Files."
+
+    async def call(name: str, namespace: str | None = None) -> object:
+        invocation = CodeModeNestedToolCall(
+            CellId("1"), "tool-1", ToolName(name, namespace), CodeModeToolKind.FUNCTION, {}
+        )
+        return await outer.invoke_tool(invocation, CancellationToken())
+
+    with pytest.raises(CodeModeError, match=r"^outer says no$"):
+        await call("own")
+    with pytest.raises(CodeModeError, match=r"^inner says no$"):
+        await call("delete", "files")
+    with pytest.raises(CodeModeError, match=r"^tool `hang` timed out after 0\.2 s$"):
+        await call("hang")
+    with pytest.raises(ValueError, match="already registered"):
+        outer.include(inner)

@@ -66,3 +66,51 @@ def test_tool_files_load_into_one_registry_and_a_name_defined_twice_is_refused(
     with pytest.raises(CodeModeError) as caught:
         load_tool_file(again, registry=registry)
     assert caught.value.message == f"cannot register a of {again}: tool `a` is already registered"
+
+
+REGISTRY_FILE = """
+import asyncio
+from codemode import Tool, ToolRegistry
+from codemode.model import Deny
+
+def deny_deletes(call):
+    if call.tool.definition.name == "delete":
+        return Deny("deleting needs approval")
+    return None
+
+registry = ToolRegistry(before_call=deny_deletes, timeout=0.2)
+same_registry = registry
+
+@registry.tool
+def delete(path: str = "/") -> str:
+    return "deleted"
+
+@registry.tool
+async def slow() -> str:
+    await asyncio.sleep(30)
+    return "done"
+
+registry.add(Tool.from_schema("echo", "Echo.", {"type": "object"}, lambda arguments: "echo"))
+
+def not_a_tool() -> int:
+    return 1
+"""
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.usefixtures("isolated_imports")
+async def test_a_tool_file_with_a_registry_gives_its_tools_as_that_registry_serves_them(
+    tmp_path: Path,
+) -> None:
+    # Its tools were taken one by one as module-level `Tool`s: the approval hook was bypassed
+    # (and itself made a tool), the timeout dropped, a tool added without a name of its own
+    # missing, the file's other functions exposed.
+    tools = tmp_path / "guarded.py"
+    tools.write_text(REGISTRY_FILE)
+    registry = load_tool_file(tools)
+    assert [definition.name for definition in registry.definitions()] == ["delete", "slow", "echo"]
+    with pytest.raises(CodeModeError, match=r"^deleting needs approval$"):
+        await call(registry, "delete")
+    with pytest.raises(CodeModeError, match=r"^tool `slow` timed out after 0\.2 s$"):
+        await call(registry, "slow")
+    assert await call(registry, "echo") == "echo"

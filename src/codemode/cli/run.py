@@ -438,8 +438,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         action="append",
         metavar="PATH.py",
         help="Python file whose public top-level functions (sync or async) become tools, "
-        "typed by their hints as @tool does; it imports the modules beside it as a script would "
-        "(repeatable; a tool name defined twice is a usage error)",
+        "typed by their hints as @tool does (or, if it defines a ToolRegistry, the tools "
+        "registered there, with its before_call and timeouts); it imports the modules beside it "
+        "as a script would (repeatable; a tool name defined twice is a usage error)",
     )
     run.add_argument(
         "--mcp",

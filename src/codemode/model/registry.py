@@ -772,6 +772,22 @@ class ToolRegistry(CodeModeSessionDelegate):
     def add(self, item: Tool[P, R], *, timeout: float | None = None) -> Tool[P, R]:
         """Register ``item``; its tool name must be new. ``timeout``: its own bound in seconds
         (else the registry's)."""
+        self._register(item, _checked_timeout(timeout) or self._timeout, self._before_call)
+        return item
+
+    def include(self, other: ToolRegistry) -> None:
+        """Register every tool of ``other`` as ``other`` serves it: with its timeout and under
+        ``other``'s ``before_call`` (not this registry's), with ``other``'s namespace
+        descriptions (those this one has not set). Its ``on_notify`` is not taken: a
+        notification comes from a cell, which this registry serves."""
+        for key, entry in other._entries.items():
+            self._register(other._tools[key], entry.timeout, entry.before_call)
+        for namespace, described in other._namespaces.items():
+            self._namespaces.setdefault(namespace, described)
+
+    def _register(
+        self, item: Tool[..., Any], timeout: float | None, before_call: BeforeCall | None
+    ) -> None:
         key = item.definition.tool_name
         # By its definition name too: namespace `a` + `b__c` must not shadow `a__b` + `c` (one
         # MCP server's tool named to take over the calls meant for another server's).
@@ -788,10 +804,7 @@ class ToolRegistry(CodeModeSessionDelegate):
         self._names.add(item.definition.name)
         self._identifiers[identifier] = item.definition.name
         self._tools[key] = item
-        self._entries[key] = _Entry(
-            item, _checked_timeout(timeout) or self._timeout, self._before_call is None
-        )
-        return item
+        self._entries[key] = _Entry(item, timeout, before_call)
 
     @overload
     def tool(self, function: Callable[P, R], /) -> Tool[P, R]: ...
@@ -1012,8 +1025,8 @@ class ToolRegistry(CodeModeSessionDelegate):
         """The hook, then the tool within its timeout."""
         item = entry.tool
         name = item.definition.name
-        if self._before_call is not None:
-            decision = self._before_call(NestedCall(item, arguments, context))
+        if entry.before_call is not None:
+            decision = entry.before_call(NestedCall(item, arguments, context))
             if inspect.isawaitable(decision):
                 decision = await decision
             if isinstance(decision, Deny):
@@ -1154,13 +1167,17 @@ class _TaskCanceller:
 
 
 class _Entry:
-    """A registered tool with what its calls need: its timeout, whether it has a hook or a
-    timeout (``plain``: neither), and its cancelled text, made once."""
+    """A registered tool with what its calls need: its timeout, its hook (the registry's, or
+    that of the registry it was included from), whether it has either (``plain``: neither), and
+    its cancelled text, made once."""
 
-    __slots__ = ("cancelled", "plain", "timeout", "tool")
+    __slots__ = ("before_call", "cancelled", "plain", "timeout", "tool")
 
-    def __init__(self, tool: Tool[..., Any], timeout: float | None, no_hook: bool) -> None:
+    def __init__(
+        self, tool: Tool[..., Any], timeout: float | None, before_call: BeforeCall | None
+    ) -> None:
         self.tool = tool
         self.timeout = timeout
-        self.plain = no_hook and timeout is None
+        self.before_call = before_call
+        self.plain = before_call is None and timeout is None
         self.cancelled = f"tool `{tool.definition.name}` was cancelled"

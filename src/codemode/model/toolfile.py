@@ -4,7 +4,9 @@ Every public function defined at the top level of the file becomes a nested tool
 :func:`~codemode.model.registry.tool` follows: its parameters (and their type hints) are the
 properties of the object the cell passes, its docstring the description, its return annotation
 the result type the model is shown. A function decorated with ``@tool`` keeps its own metadata
-(name, namespace, schema).
+(name, namespace, schema). A file that defines a :class:`ToolRegistry` at the top level gives the
+tools registered there instead, as that registry serves them (its ``before_call``, its
+timeouts): its other functions, the hook among them, are not tools.
 
 The file imports as ``python PATH.py`` would run it: its directory is first on ``sys.path``, so
 that it can import the modules beside it (and it stays there: a tool may import one lazily).
@@ -54,6 +56,21 @@ def load_tool_file(
         ) from error
     if registry is None:
         registry = ToolRegistry(on_notify=on_notify)
+    # Its registries, once each (one may have two names). Registering their tools one by one
+    # dropped the hook and the timeouts, made a tool of the hook, and missed a tool added
+    # without a name of its own (`registry.add(Tool.from_schema(...))`).
+    declared = {
+        id(value): (name, value)
+        for name, value in vars(module).items()
+        if not name.startswith("_") and isinstance(value, ToolRegistry)
+    }
+    for name, declared_registry in declared.values():
+        try:
+            registry.include(declared_registry)
+        except ValueError as error:  # a name taken (by another file, or an MCP server)
+            raise CodeModeError(f"cannot register the tools of {name} of {file}: {error}") from None
+    if declared:
+        return registry
     for name, value in vars(module).items():
         if name.startswith("_"):
             continue
