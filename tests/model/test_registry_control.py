@@ -76,6 +76,33 @@ async def test_a_rewrite_must_keep_the_argument_shape() -> None:
     ]
 
 
+@pytest.mark.timeout(30)
+async def test_a_before_call_that_raises_is_logged_with_its_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The cell gets the delegate's failure text; the hook's traceback goes to the
+    ``codemode.tools`` logger (nothing was logged: a broken approval policy went unseen)."""
+
+    def before_call(call: NestedCall) -> None:
+        raise RuntimeError("policy store unreachable")
+
+    registry = ToolRegistry(before_call=before_call)
+
+    @registry.tool
+    def echo() -> None:
+        raise AssertionError("never runs")
+
+    with caplog.at_level("ERROR", logger="codemode.tools"):
+        async with CodeMode(registry) as code_mode:
+            run = await run_cell(
+                code_mode, "try { await tools.echo() } catch (e) { text(String(e)) }"
+            )
+    assert run.texts == ["code-mode delegate task failed: policy store unreachable"]
+    [record] = caplog.records
+    assert record.getMessage() == "before_call failed for tool `echo`"
+    assert record.exc_info is not None and isinstance(record.exc_info[1], RuntimeError)
+
+
 async def test_a_timed_out_async_tool_is_cancelled() -> None:
     registry = ToolRegistry()
     cancelled = asyncio.Event()

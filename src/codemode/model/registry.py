@@ -1026,18 +1026,25 @@ class ToolRegistry(CodeModeSessionDelegate):
         item = entry.tool
         name = item.definition.name
         if entry.before_call is not None:
-            decision = entry.before_call(NestedCall(item, arguments, context))
-            if inspect.isawaitable(decision):
-                decision = await decision
+            try:
+                decision = entry.before_call(NestedCall(item, arguments, context))
+                if inspect.isawaitable(decision):
+                    decision = await decision
+                if isinstance(decision, Rewrite):
+                    arguments = self._rewritten(item, decision.arguments)
+                elif decision is not None and not isinstance(decision, Deny):
+                    raise TypeError(
+                        f"before_call returned {decision!r}: expected Deny, Rewrite or None"
+                    )
+            except Exception as error:
+                # The cell gets the delegate's failure text; whoever runs the agent needs the
+                # traceback of their hook (nothing was logged: a broken policy went unseen).
+                if not isinstance(error, CodeModeError):
+                    tools_logger.error("before_call failed for tool `%s`", name, exc_info=error)
+                raise
             if isinstance(decision, Deny):
                 tools_logger.info("event=tool-call-denied tool=%s cell=%s", name, context.cell_id)
                 raise CodeModeError(decision.message)
-            if isinstance(decision, Rewrite):
-                arguments = self._rewritten(item, decision.arguments)
-            elif decision is not None:
-                raise TypeError(
-                    f"before_call returned {decision!r}: expected Deny, Rewrite or None"
-                )
         timeout = entry.timeout
         if timeout is None:
             return await item.invoke(arguments, context)
