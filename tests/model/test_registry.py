@@ -494,18 +494,24 @@ async def test_bad_arguments_are_rejected_with_the_validation_error(
     assert message == f"invalid arguments for tool `add`: {detail}"
 
 
-async def test_bad_kwargs_values_are_rejected() -> None:
+@pytest.mark.timeout(10)
+async def test_bad_kwargs_values_are_rejected_naming_the_key() -> None:
+    # msgspec's path for a dict's value is `$[...]`: the cell was not told which key was wrong.
     registry = ToolRegistry()
 
     @registry.tool
     def scores(**values: float) -> dict[str, float]:
         return values
 
+    @registry.tool
+    def series(**values: list[int]) -> dict[str, list[int]]:
+        return values
+
     assert await invoke(registry, call("scores", {"a": 1})) == {"a": 1.0}
-    message = await rejection(registry, call("scores", {"a": "high"}))
-    assert (
-        message == "invalid arguments for tool `scores`: Expected `float`, got `str` - at `$[...]`"
-    )
+    message = await rejection(registry, call("scores", {"a": 1, "b": "high"}))
+    assert message == "invalid arguments for tool `scores`: Expected `float`, got `str` - at `$.b`"
+    message = await rejection(registry, call("series", {"a": [1], "b": [2, "x"]}))
+    assert message == "invalid arguments for tool `series`: Expected `int`, got `str` - at `$.b[1]`"
 
 
 async def test_non_json_results_are_rejected() -> None:

@@ -525,7 +525,7 @@ class Tool(Generic[P, R]):
                     values = {key: unwrap(value) for key, value in values.items()}
                 if self._extra_keys is not None:
                     extra = {k: v for k, v in arguments.items() if k not in values}
-                    extra = msgspec.convert(extra, self._extra_keys, dec_hook=hook, str_keys=True)
+                    extra = self._extra_values(extra)
                     values.update({key: unwrap(value) for key, value in extra.items()})
             except msgspec.ValidationError as error:
                 raise CodeModeError(f"invalid arguments for tool `{name}`: {error}") from None
@@ -534,6 +534,28 @@ class Tool(Generic[P, R]):
         if not self._positional:
             return (), values
         return tuple([values.pop(parameter) for parameter in self._positional]), values
+
+    def _extra_values(self, extra: dict[str, Any]) -> dict[str, Any]:
+        """The undeclared properties, converted for the ``**kwargs`` parameter."""
+        hook = pydantic_types.dec_hook
+        try:
+            converted: dict[str, Any] = msgspec.convert(
+                extra, self._extra_keys, dec_hook=hook, str_keys=True
+            )
+        except msgspec.ValidationError:
+            # msgspec puts `$[...]` for a dict's value: find the key, and name it as a declared
+            # parameter is named (`- at `$.key``), so the cell learns which one is wrong.
+            value_type = self._extra_keys.__args__[1]
+            for key, value in extra.items():
+                try:
+                    msgspec.convert(value, value_type, dec_hook=hook, str_keys=True)
+                except msgspec.ValidationError as error:
+                    text, found, path = str(error).partition(" - at `$")
+                    raise msgspec.ValidationError(
+                        f"{text} - at `$.{key}{path if found else '`'}"
+                    ) from None
+            raise
+        return converted
 
     def _freeform_parameter(self) -> str:
         parameters = inspect.signature(self.function).parameters
