@@ -60,9 +60,17 @@ async def run(session: LocalSession, source: str) -> Result:
     return response
 
 
-async def assert_engine_goes_on(session: LocalSession, pid: int | None) -> None:
+async def run_forged(session: LocalSession, source: str) -> Result:
+    """Run ``source`` on the session's running engine; check that the engine (the process the
+    cells before and after it run in) went on, and that the cell ended without an error."""
+    await run(session, "")
+    assert session.engine is not None
+    pid = session.engine.pid
+    response = await run(session, source)
+    assert response.error_text is None, response
     assert session.engine is not None and session.engine.pid == pid
     assert texts(await run(session, 'text("next")')) == ["function", "next"]
+    return response
 
 
 async def test_forged_media_items_are_dropped_or_mended_and_the_engine_goes_on(
@@ -72,7 +80,7 @@ async def test_forged_media_items_are_dropped_or_mended_and_the_engine_goes_on(
     # and only known image details. Python ends an engine that sends anything else (with every
     # cell on it): without host.js's checks this cell would end as a crash.
     live, _ = session
-    response = await run(
+    response = await run_forged(
         live,
         """
         __host(0, 'input_image', 'https://attacker.example/leak', 'low');
@@ -83,14 +91,11 @@ async def test_forged_media_items_are_dropped_or_mended_and_the_engine_goes_on(
         text('after');
         """,
     )
-    assert response.error_text is None
     assert response.content_items == [
         InputText("function"),
         InputImage("data:image/png;base64,AAA", ImageDetail.HIGH),
         InputText("after"),
     ]
-    assert live.engine is not None
-    await assert_engine_goes_on(live, live.engine.pid)
 
 
 async def test_forged_calls_host_js_cannot_vouch_for_are_dropped(
@@ -99,7 +104,7 @@ async def test_forged_calls_host_js_cannot_vouch_for_are_dropped(
     # Guards: host.js sends a call only with a string id of at most 64 characters and an integer
     # tool index. Python ends an engine whose call breaks either (with every cell on it).
     live, delegate = session
-    response = await run(
+    response = await run_forged(
         live,
         """
         __host(1, 5, 0, '{}');
@@ -110,52 +115,33 @@ async def test_forged_calls_host_js_cannot_vouch_for_are_dropped(
         """,
     )
     assert texts(response) == ["function", "after"]
-    assert response.error_text is None
     assert delegate.calls == []
-    assert live.engine is not None
-    await assert_engine_goes_on(live, live.engine.pid)
 
 
-async def test_pending_timers_stay_bounded_without_the_prelude(
-    session: tuple[LocalSession, RecordingDelegate],
+# Guards, (1): host.js keeps at most 10,000 pending timers per cell, as the prelude does: each is
+# a Node timer on the engine's main thread, outside the isolate's heap limit, and a subverted
+# prelude could otherwise set millions (the cell's own timer takes one of the 10,000; the forged
+# ones fire after all of them were set: the bound is on timers pending at once). (2): host.js
+# clears the timer an id already has before it sets another under that id; a replaced timer left
+# running would fire into the isolate all the same, unaccounted for.
+@pytest.mark.parametrize(
+    ("forge", "fired"),
+    [
+        ("for (let i = 1; i <= 10050; i++) __host(5, 1000000 + i, 500);", "10000"),
+        ("for (let i = 0; i < 3; i++) __host(5, 777, 300);", "2"),  # once, and the cell's own
+    ],
+    ids=["bounded", "one-per-id"],
+)
+async def test_forged_timers_stay_bounded_and_one_per_id(
+    session: tuple[LocalSession, RecordingDelegate], forge: str, fired: str
 ) -> None:
-    # Guards: host.js keeps at most 10,000 pending timers per cell, as the prelude does: each is
-    # a Node timer on the engine's main thread, outside the isolate's heap limit, and a subverted
-    # prelude could otherwise set millions. The cell's own timer takes one of the 10,000. (The
-    # forged timers fire after all of them were set: the bound is on timers pending at once.)
     live, _ = session
-    response = await run(
-        live,
-        """
-        const waited = new Promise((resolve) => setTimeout(resolve, 2000));
-        for (let i = 1; i <= 10050; i++) __host(5, 1000000 + i, 500);
-        await waited;
-        text(String(globalThis.__fired));
-        """,
+    source = (
+        "const waited = new Promise((resolve) => setTimeout(resolve, 2000));\n"
+        f"{forge}\nawait waited;\ntext(String(globalThis.__fired));"
     )
-    assert texts(response) == ["function", "10000"]
-    assert live.engine is not None
-    await assert_engine_goes_on(live, live.engine.pid)
-
-
-async def test_a_timer_id_set_again_replaces_its_timer(
-    session: tuple[LocalSession, RecordingDelegate],
-) -> None:
-    # Guards: host.js clears the timer an id already has before it sets another under that id; a
-    # replaced timer left running would fire into the isolate all the same, unaccounted for.
-    live, _ = session
-    response = await run(
-        live,
-        """
-        const waited = new Promise((resolve) => setTimeout(resolve, 1000));
-        __host(5, 777, 300);
-        __host(5, 777, 300);
-        __host(5, 777, 300);
-        await waited;
-        text(String(globalThis.__fired));
-        """,
-    )
-    assert texts(response) == ["function", "2"]  # the forged id once, and the cell's own timer
+    response = await run_forged(live, source)
+    assert texts(response) == ["function", fired]
 
 
 async def test_notifications_past_a_cells_bound_reach_no_delegate(
@@ -165,7 +151,9 @@ async def test_notifications_past_a_cells_bound_reach_no_delegate(
     # bound checked again (cell.py): each costs the host a delegate callback (a frame to the
     # client of a remote session), and a subverted prelude would otherwise send them without end.
     live, delegate = session
-    response = await run(live, "for (let i = 0; i < 10050; i++) __host(2, 'n'); text('after');")
+    response = await run_forged(
+        live, "for (let i = 0; i < 10050; i++) __host(2, 'n'); text('after');"
+    )
     assert texts(response) == ["function", "after"]
     async with asyncio.timeout(30):
         while not delegate.closed:  # every callback of the cell has finished
@@ -179,7 +167,7 @@ async def test_requests_of_unknown_kinds_or_odd_arguments_are_ignored(
     # Guards: host.js acts only on the kinds it numbers and on arguments of the types it expects
     # (a `yield` whose turn is no integer, for one, is a frame Python ends the engine for).
     live, delegate = session
-    response = await run(
+    response = await run_forged(
         live,
         """
         __host(99); __host(-1, 'x'); __host('1', 'id', 0, '{}'); __host();
@@ -191,7 +179,4 @@ async def test_requests_of_unknown_kinds_or_odd_arguments_are_ignored(
         """,
     )
     assert texts(response) == ["function", "after"]
-    assert response.error_text is None
     assert delegate.notifications == []
-    assert live.engine is not None
-    await assert_engine_goes_on(live, live.engine.pid)
