@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from codemode.client import DEFAULT_HOST_COMMAND, ProcessOwnedCodeModeSessionProvider
+from codemode.client import v1 as client_v1
 from codemode.errors import CodeModeError, ConnectionClosed
 from codemode.protocol import (
     CellId,
@@ -152,6 +153,47 @@ async def test_killing_the_host_mid_cell_fails_every_pending_call_within_one_sec
     cell = await fresh.execute(ExecuteRequest("c4", "text('ok')", [], 10_000, None))
     assert await cell.initial_response() == Result(cell.cell_id, [InputText("ok")], None)
     assert not session.is_alive()
+
+
+@pytest.mark.timeout(60)
+async def test_a_stopped_host_fails_pending_calls_at_their_deadline_and_is_killed(
+    provider: ProcessOwnedCodeModeSessionProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A pipe carries no keepalive: a host that stops answering (here SIGSTOP) is noticed only by
+    # the deadline of each request (60 s past its runtime allowance; here 0.5 s).
+    monkeypatch.setattr(client_v1, "TRANSPORT_ALLOWANCE", 0.5, raising=False)
+    delegate = RecordingDelegate()
+    session = await provider.create_session(delegate)
+    observed = await session.execute(ExecuteRequest("c1", "while (true) {}", [], 500, None))
+    assert isinstance(await observed.initial_response(), Yielded)  # an answer in time is kept
+    blocked = await session.execute(
+        ExecuteRequest("c2", "await tools.block({}); text('never');", [BLOCK], 500, None)
+    )
+    while not delegate.calls:  # the host is serving the tool call when it stops
+        await asyncio.sleep(0.01)
+    host = provider.host
+    assert host is not None
+    pid = host.pid
+    os.kill(pid, signal.SIGSTOP)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    pending = [
+        asyncio.ensure_future(blocked.initial_response()),
+        asyncio.ensure_future(session.wait(WaitRequest(observed.cell_id, 500))),
+    ]
+    results = await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 10)
+    assert loop.time() - started < 3.0
+    reason = "code-mode host timed out waiting for execution response"
+    for result in results:
+        assert isinstance(result, ConnectionClosed), result
+        assert result.message == reason
+    assert not session.is_alive()
+    with pytest.raises(ConnectionClosed, match=f"^{reason}$"):
+        await session.execute(ExecuteRequest("c3", "1", [], None, None))
+    await asyncio.wait_for(session.shutdown(), 1.0)
+    assert sorted(delegate.closed) == sorted([str(observed.cell_id), str(blocked.cell_id)])
+    assert delegate.cancelled == ["tool-1"]
+    assert await eventually_gone(pid)  # the stopped host's whole process group was killed
 
 
 async def test_aclose_shuts_down_and_leaves_no_process() -> None:

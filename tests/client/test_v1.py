@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from codemode.client import RemoteSession, V1ClientConnection, connect_v1
+from codemode.client import v1 as client_v1
 from codemode.errors import CodeModeError, ConnectionClosed, LocalProtocolError
 from codemode.protocol import (
     CellId,
@@ -774,3 +775,94 @@ async def test_dual_grant_without_bulk_carrier_is_c6() -> None:
     ):
         await connect_v1(transport, dual=True, open_bulk=no_bulk)
     assert transport.closed
+
+
+# -- a host that goes silent -------------------------------------------------------------------
+
+SILENT_ALLOWANCE = 0.2
+
+
+@pytest.mark.timeout(30)
+async def test_a_silent_host_fails_every_pending_call_at_the_first_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The rule of grpc.md §13.3: 60 s (here 0.2 s) past the runtime allowance (yield + 1 s).
+    monkeypatch.setattr(client_v1, "TRANSPORT_ALLOWANCE", SILENT_ALLOWANCE, raising=False)
+    connection, host = await connected()
+    session = await open_session(connection, host)
+    execute = asyncio.create_task(session.execute(ExecuteRequest("c", "x", [], 0, None)))
+    request = await expect_request(host, SessionExecute)
+    host.send(OperationResponse(request.id, WireOk(ExecutionStarted("1"))))
+    cell = await within(ONE_SECOND, execute)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    initial = asyncio.ensure_future(cell.initial_response())
+    wait = asyncio.create_task(session.wait(WaitRequest(CellId("1"), 3000)))
+    await expect_request(host, SessionWait)
+    await asyncio.sleep(1.0)
+    assert not initial.done() and not wait.done() and connection.is_alive()
+    reason = "code-mode host timed out waiting for execution response"
+    for pending in (initial, wait):
+        with pytest.raises(ConnectionClosed, match=f"^{reason}$"):
+            await within(ONE_SECOND, pending)
+    assert 1.2 <= loop.time() - started < 1.8
+    assert connection.failure == reason and not session.is_alive()
+    with pytest.raises(ConnectionClosed, match=f"^{reason}$"):
+        await session.terminate(CellId("1"))
+
+
+@pytest.mark.parametrize(
+    ("operation", "kind", "call"),
+    [
+        ("termination", SessionTerminate, lambda s: s.terminate(CellId("1"))),
+        ("session shutdown", SessionShutdown, lambda s: s.shutdown()),
+    ],
+)
+@pytest.mark.timeout(30)
+async def test_terminate_and_shutdown_have_deadlines_too(
+    monkeypatch: pytest.MonkeyPatch, operation: str, kind: type[Any], call: Any
+) -> None:
+    monkeypatch.setattr(client_v1, "TRANSPORT_ALLOWANCE", SILENT_ALLOWANCE, raising=False)
+    monkeypatch.setattr(client_v1, "SHUTDOWN_TIMEOUT", 0.1, raising=False)
+    connection, host = await connected()
+    session = await open_session(connection, host)
+    task = asyncio.create_task(call(session))
+    await expect_request(host, kind)
+    with pytest.raises(
+        ConnectionClosed, match=f"^code-mode host timed out waiting for {operation}"
+    ):
+        await within(ONE_SECOND, task)
+
+
+@pytest.mark.timeout(30)
+async def test_answers_in_time_disarm_their_deadlines(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(client_v1, "TRANSPORT_ALLOWANCE", SILENT_ALLOWANCE, raising=False)
+    connection, host = await connected()
+    session = await open_session(connection, host)
+    cell, request_id = await started_cell(session, host)
+    host.send(ExecuteInitialResponse(request_id, WireOk(ok_result("1"))))
+    await within(ONE_SECOND, cell.initial_response())
+    wait = asyncio.create_task(session.wait(WaitRequest(CellId("1"), 0)))
+    host.send(live((await expect_request(host, SessionWait)).id, "1"))
+    await within(ONE_SECOND, wait)
+    await asyncio.sleep(1.5 + SILENT_ALLOWANCE)  # past every deadline of those requests
+    assert connection.is_alive()
+    await connection.aclose()
+
+
+@pytest.mark.timeout(30)
+async def test_a_held_back_wait_gets_its_time_once_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(client_v1, "TRANSPORT_ALLOWANCE", SILENT_ALLOWANCE, raising=False)
+    connection, host = await connected()
+    session = await open_session(connection, host)
+    first = asyncio.create_task(session.wait(WaitRequest(CellId("1"), 2000)))
+    first_id = (await expect_request(host, SessionWait)).id
+    first.cancel()
+    assert isinstance(await host.receive(), OperationCancel)
+    second = asyncio.create_task(session.wait(WaitRequest(CellId("1"), 0)))  # held back (§9.4)
+    await asyncio.sleep(1.5)  # past the held-back wait's 1.2 s, had it counted from the start
+    assert connection.is_alive() and not second.done()
+    host.send(live(first_id, "1"))
+    host.send(live((await expect_request(host, SessionWait)).id, "1"))
+    assert isinstance(await within(ONE_SECOND, second), LiveCell)
+    await connection.aclose()

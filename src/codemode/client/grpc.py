@@ -40,6 +40,7 @@ from codemode.errors import (
     WireConversionError,
 )
 from codemode.grpc_stubs import v1_pb2_grpc
+from codemode.protocol import constants as v1_constants
 from codemode.protocol.arguments import (
     check_cell_id,
     check_execute_request,
@@ -93,8 +94,9 @@ logger = logging.getLogger("codemode.client")
 T = TypeVar("T")
 Metadata = tuple[tuple[str, str], ...]
 
-#: §13.3 every rpc gets this much on top of its runtime allowance.
-TRANSPORT_ALLOWANCE: Final = 60.0
+#: §13.3 every rpc gets this much on top of its runtime allowance (the V1 client's rule too).
+TRANSPORT_ALLOWANCE: Final = v1_constants.TRANSPORT_ALLOWANCE
+
 #: §5 an execute without ``yield_time_ms`` observes for this long.
 DEFAULT_YIELD_TIME_MS: Final = 10_000
 #: §11 tool invocations + notifications admitted and not finished, per session.

@@ -24,7 +24,12 @@ from codemode.protocol.arguments import (
     check_limits,
     check_wait_request,
 )
-from codemode.protocol.constants import HANDSHAKE_TIMEOUT
+from codemode.protocol.constants import (
+    DEFAULT_EXEC_YIELD_TIME_MS,
+    HANDSHAKE_TIMEOUT,
+    SHUTDOWN_TIMEOUT,
+    TRANSPORT_ALLOWANCE,
+)
 from codemode.protocol.delegation import CallbackResult
 from codemode.protocol.types import (
     CellId,
@@ -72,7 +77,10 @@ class V1ClientConnection:
     ``wire_revision`` is the shape runtime responses must have (``pinned``: V1 as pinned;
     ``latest``: upstream 0.164+ with timing fields; decision 0007). Once the connection fails it
     stays dead: :meth:`is_alive` is false and every later operation raises
-    :class:`~codemode.errors.ConnectionClosed` with the first recorded reason.
+    :class:`~codemode.errors.ConnectionClosed` with the first recorded reason. A host that leaves
+    a request unanswered for 60 s past its runtime allowance (the yield time of an execute or a
+    wait, plus 1 s) is given up as silent: the connection fails with ``code-mode host timed out
+    waiting for OPERATION response`` (the rule of ``grpc.md`` §13.3).
     """
 
     def __init__(
@@ -100,6 +108,8 @@ class V1ClientConnection:
         self._cell_contexts: dict[tuple[str, CellId], contextvars.Context] = {}
         # Callback tasks by delegate id, held until they settle (the loop keeps weak references).
         self._callback_tasks: dict[int, asyncio.Future[Any]] = {}
+        # Each request's deadline: nothing else notices a host that stops answering over a pipe.
+        self._deadlines: dict[int, asyncio.TimerHandle] = {}
         self._reader: asyncio.Task[None] | None = None
         self._handshake_replied: asyncio.Future[None] | None = None
         self._closer: asyncio.Task[None] | None = None
@@ -224,6 +234,7 @@ class V1ClientConnection:
         if limits is not None:
             check_limits(limits)
         request_id = self._start(lambda: self._protocol.open_session(limits))
+        self._arm(request_id, "session opening", 0.0)
         session_id = self._protocol.session_of(request_id)
         # Registered before anything is sent: callbacks for the session can only follow its ready.
         self._delegates[session_id] = delegate
@@ -235,6 +246,9 @@ class V1ClientConnection:
     async def _execute(self, session: RemoteSession, request: ExecuteRequest) -> StartedCell:
         session_id = session.session_id
         request_id = self._start(lambda: self._protocol.execute(session_id, request))
+        yield_ms = request.yield_time_ms
+        yield_ms = DEFAULT_EXEC_YIELD_TIME_MS if yield_ms is None else yield_ms
+        self._arm(request_id, "execution", yield_ms / 1000 + 1)  # until the initial response
         self._execute_contexts[request_id] = cell_context()
         # A cancellation racing a just-arrived execution/started makes the machine cancel on
         # the wire and terminate the admitted cell (§9.3).
@@ -250,20 +264,21 @@ class V1ClientConnection:
 
     async def _wait(self, session: RemoteSession, request: WaitRequest) -> WaitOutcome:
         session_id = session.session_id
-        outcome: WaitOutcome = await self._answer(
-            self._start(lambda: self._protocol.wait(session_id, request))
-        )
+        request_id = self._start(lambda: self._protocol.wait(session_id, request))
+        self._arm(request_id, "wait", request.yield_time_ms / 1000 + 1)
+        outcome: WaitOutcome = await self._answer(request_id)
         return outcome
 
     async def _terminate(self, session: RemoteSession, cell_id: CellId) -> WaitOutcome:
         # Cancelled, the terminate goes on; its answer is discarded.
-        outcome: WaitOutcome = await self._answer(
-            self._start(lambda: self._protocol.terminate(session.session_id, cell_id))
-        )
+        request_id = self._start(lambda: self._protocol.terminate(session.session_id, cell_id))
+        self._arm(request_id, "termination", 0.0)
+        outcome: WaitOutcome = await self._answer(request_id)
         return outcome
 
     def _start_shutdown(self, session: RemoteSession) -> asyncio.Future[Any]:
         request_id = self._start(lambda: self._protocol.shutdown(session.session_id))
+        self._arm(request_id, "session shutdown", SHUTDOWN_TIMEOUT)
         future = self._register(request_id)
         self._flush()
         return future
@@ -284,6 +299,26 @@ class V1ClientConnection:
         except CodeModeError:
             self._flush()
             raise
+
+    def _arm(self, request_id: int, operation: str, allowance: float) -> None:
+        """Give the host ``TRANSPORT_ALLOWANCE + allowance`` seconds to answer ``request_id``."""
+        self._deadlines[request_id] = self._loop.call_later(
+            TRANSPORT_ALLOWANCE + allowance, self._overdue, request_id, operation, allowance
+        )
+
+    def _disarm(self, request_id: int) -> None:
+        handle = self._deadlines.pop(request_id, None)
+        if handle is not None:
+            handle.cancel()
+
+    def _overdue(self, request_id: int, operation: str, allowance: float) -> None:
+        del self._deadlines[request_id]
+        if self._protocol.held_back(request_id):
+            # A held-back wait has not reached the host yet (§9.4): its time starts once sent.
+            self._arm(request_id, operation, allowance)
+            return
+        self._protocol.answer_overdue(request_id, operation)
+        self._flush()
 
     def _register(self, request_id: int) -> asyncio.Future[Any]:
         future: asyncio.Future[Any] = self._loop.create_future()
@@ -342,12 +377,16 @@ class V1ClientConnection:
             futures[event.request_id] = initial
             _resolve(future, (event.cell_id, initial))
         elif isinstance(event, ev.InitialResponse):
+            self._disarm(event.request_id)
             _resolve(futures.pop(event.request_id, None), event.response)
         elif isinstance(event, ev.WaitAnswered):
+            self._disarm(event.request_id)
             _resolve(futures.pop(event.request_id, None), event.outcome)
         elif isinstance(event, ev.SessionOpened | ev.SessionShutDown):
+            self._disarm(event.request_id)
             _resolve(futures.pop(event.request_id, None), None)
         elif isinstance(event, ev.OperationFailed):
+            self._disarm(event.request_id)
             future = futures.pop(event.request_id, None)
             error_type = ConnectionClosed if event.connection_lost else CodeModeError
             if future is not None and not future.done():
@@ -363,6 +402,9 @@ class V1ClientConnection:
 
     def _connection_ended(self, reason: str) -> None:
         self._dead.set()
+        for handle in self._deadlines.values():
+            handle.cancel()
+        self._deadlines.clear()
         _resolve(self._handshake_replied, None)
         reader = self._reader
         if reader is not None and reader is not asyncio.current_task():

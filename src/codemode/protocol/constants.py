@@ -23,6 +23,9 @@ RECENT_ID_MEMORY: Final = 4096
 HANDSHAKE_TIMEOUT: Final = 10.0
 BULK_PAIRING_TIMEOUT: Final = 10.0
 SHUTDOWN_TIMEOUT: Final = 5.0
+#: What a client allows every request on top of its runtime allowance before it gives the host
+#: up as silent (``grpc.md`` §13.3; the V1 client applies the same rule).
+TRANSPORT_ALLOWANCE: Final = 60.0
 #: How long a cancelled delegate callback may take to finish before it is abandoned (runtime §4.5).
 CALLBACK_GRACE: Final = 0.1
 

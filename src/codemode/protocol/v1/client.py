@@ -220,6 +220,19 @@ class ClientProtocol(Endpoint[wire.HostToClient, wire.ClientToHost, ev.ClientEve
         if self._phase is _Phase.HANDSHAKE:
             self._end(texts.HANDSHAKE_TIMED_OUT)
 
+    def held_back(self, request_id: int) -> bool:
+        """True while ``request_id`` is a wait not sent yet (§9.4): its deadline has not begun."""
+        entry = self._requests.get(request_id)
+        return entry is not None and entry.queued is not None
+
+    def answer_overdue(self, request_id: int, operation: str) -> None:
+        """The host has not answered ``request_id`` within the glue's deadline: the connection
+        ends (``code-mode host timed out waiting for OPERATION response``). No effect once the
+        answer came, or while the request is held back."""
+        entry = self._requests.get(request_id)
+        if entry is not None and entry.queued is None:
+            self._end(texts.host_timed_out(operation))
+
     def read_failed(self, detail: str) -> None:
         """Reading from the host failed (K3; C3 during the handshake)."""
         self._end(self._during_handshake(texts.host_read_failed(detail)))

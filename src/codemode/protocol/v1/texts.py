@@ -206,6 +206,11 @@ INVALID_SHUTDOWN_RESPONSE: Final = "code-mode host returned an invalid shutdown 
 REQUEST_IDS_EXHAUSTED: Final = "code-mode host request ID space exhausted"
 
 
+def host_timed_out(operation: str) -> str:
+    """The host let a request pass its deadline (the client's ``grpc.md`` §13.3 rule)."""
+    return f"code-mode host timed out waiting for {operation} response"
+
+
 def host_exited(status: object) -> str:
     """K2"""
     return f"code-mode host exited with status {status}"
