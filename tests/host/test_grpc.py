@@ -1111,6 +1111,7 @@ def test_keepalive_options() -> None:
     options = dict(GrpcHostOptions().server_options())
     assert options["grpc.keepalive_time_ms"] == 20_000
     assert options["grpc.keepalive_timeout_ms"] == 20_000
+    assert options["grpc.http2.ping_timeout_ms"] == 20_000
     assert options["grpc.http2.max_pings_without_data"] == 0
     assert options["grpc.http2.min_recv_ping_interval_without_data_ms"] == 10_000
     assert options["grpc.max_receive_message_length"] == MAX_MESSAGE_BYTES
@@ -1141,3 +1142,71 @@ def test_listen_addresses() -> None:
     for bad in ("ws://a:1", "grpc://a", "grpc://a:1/x", "grpc://u@a:1"):
         with pytest.raises(ValueError, match="grpc"):
             GrpcAddress.parse(bad)
+
+
+class FreezingProxy:
+    """A loopback TCP proxy to ``port`` that can stop forwarding while it keeps both sockets open:
+    a peer gone silent (stopped, or a network path that drops everything) without closing."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.frozen = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: list[asyncio.StreamWriter] = []
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        return f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", self.port)
+        self._writers += [writer, upstream_writer]
+        for source, sink in ((reader, upstream_writer), (upstream_reader, writer)):
+            task = asyncio.create_task(self._forward(source, sink))
+            self._tasks.add(task)
+
+    async def _forward(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        while not self.frozen.is_set():
+            data = await source.read(65536)
+            if not data or self.frozen.is_set():
+                return
+            sink.write(data)
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for writer in self._writers:
+            writer.transport.abort()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+
+@pytest.mark.timeout(30)
+async def test_a_client_gone_silent_loses_its_sessions_at_the_keepalive_timeout(
+    provider: LocalSessionProvider,
+) -> None:
+    options = GrpcHostOptions(keepalive_time=0.5, keepalive_timeout=0.5)
+    host = GrpcHost(provider, options=options)
+    proxy = FreezingProxy(GrpcAddress.parse(await host.start()).port)
+    channel = aio.insecure_channel(await proxy.start(), options=CHANNEL_OPTIONS)
+    try:
+        stub = v1_pb2_grpc.CodeModeHostStub(channel)
+        lease = await _open(stub)
+        call = _execute(stub, lease, "while (true) {}", yield_time_ms=600_000)
+        await _started(call)
+        assert (host.sessions, host.active_cells) == (1, 1)
+        proxy.frozen.set()  # neither side hears from the other again; no socket closes
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        while host.sessions or host.active_cells:
+            assert loop.time() - started < 5.0, "the silent client's session was still open"
+            await asyncio.sleep(0.05)
+        # A ping every 0.5 s, its ack due within 0.5 s: about a second.
+        assert loop.time() - started < 3.0
+    finally:
+        await proxy.aclose()
+        await channel.close(grace=None)
+        await host.aclose()

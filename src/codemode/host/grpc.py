@@ -129,6 +129,9 @@ class GrpcHostOptions:
             options += [
                 ("grpc.keepalive_time_ms", _ms(self.keepalive_time)),
                 ("grpc.keepalive_timeout_ms", _ms(self.keepalive_timeout)),
+                # What grpc-core (1.85) waits for a ping's ack is this one (default 60 s); with
+                # only keepalive_timeout set, a silent client kept its sessions for a minute more.
+                ("grpc.http2.ping_timeout_ms", _ms(self.keepalive_timeout)),
                 # An idle lease carries no data for long: keep pinging it all the same.
                 ("grpc.http2.max_pings_without_data", 0),
             ]
