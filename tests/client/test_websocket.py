@@ -33,6 +33,7 @@ from codemode.protocol.constants import (
 from codemode.runtime import LocalSessionProvider
 from tests.client.fakes import ScriptedDelegate
 from tests.contract.delegate import BLOCK, ECHO, RecordingDelegate, function_tool
+from tests.proxy import FreezingProxy
 
 TOKEN = "client-token"
 BIG = function_tool("big", "returns a 5 MiB string")
@@ -298,3 +299,30 @@ async def test_a_killed_host_process_fails_pending_calls_promptly(dual: bool) ->
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         await asyncio.wait_for(process.wait(), 10)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("dual", [False, True], ids=["single", "dual"])
+async def test_the_provider_s_keepalive_fails_pending_calls_of_a_silent_host(
+    runtime: LocalSessionProvider, dual: bool
+) -> None:
+    async with listening(runtime) as host:
+        proxy = FreezingProxy(WebSocketAddress.parse(host.url).port)
+        address = await proxy.start()
+        url = host.url.replace(host.url.split("/")[2], address)
+        try:
+            async with session_provider(
+                url, dual=dual, ping_interval=0.2, ping_timeout=0.3
+            ) as provider:
+                session = await provider.create_session(RecordingDelegate())
+                cell = await session.execute(request(FOREVER, yield_ms=600_000))
+                pending = asyncio.ensure_future(cell.initial_response())
+                proxy.frozen.set()  # the host goes silent; no socket closes
+                loop = asyncio.get_running_loop()
+                started = loop.time()
+                with pytest.raises(ConnectionClosed, match="keepalive ping timeout"):
+                    await asyncio.wait_for(pending, 5)
+                assert loop.time() - started < 2.0
+                assert not session.is_alive()
+        finally:
+            await proxy.aclose()

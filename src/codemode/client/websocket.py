@@ -71,7 +71,8 @@ async def connect_websocket(
 ) -> V1ClientConnection:
     """Connect to the host at ``url`` (``ws://`` or ``wss://``) and handshake.
 
-    ``token`` is sent as ``Authorization: Bearer`` on both sockets. Raises
+    ``token`` is sent as ``Authorization: Bearer`` on both sockets; ``ping_interval`` and
+    ``ping_timeout`` are each socket's keepalive (as on the provider). Raises
     :class:`CodeModeError`: the host cannot be reached, or C2-C6.
     """
     settings: dict[str, Any] = {
@@ -121,7 +122,9 @@ class WebSocketCodeModeSessionProvider(SharedConnectionProvider[WebSocketLink]):
     """Creates :class:`RemoteSession` objects on one shared WebSocket connection to ``url``.
 
     ``dual`` asks for the control + bulk pair (falling back to one socket when the host does not
-    grant it); ``token`` is the host's bearer token. The connection is made on first use and
+    grant it); ``token`` is the host's bearer token. Every ``ping_interval`` seconds each socket
+    pings the host; a pong that takes longer than ``ping_timeout`` ends the connection, failing
+    its pending calls (``None``: no pings, or no limit). The connection is made on first use and
     replaced after it died. Close with :meth:`aclose`.
     """
 
@@ -133,6 +136,8 @@ class WebSocketCodeModeSessionProvider(SharedConnectionProvider[WebSocketLink]):
         token: str | None = None,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         wire_revision: WireRevision | str = WireRevision.PINNED,
+        ping_interval: float | None = 20.0,
+        ping_timeout: float | None = 20.0,
     ) -> None:
         super().__init__()
         self.url = url
@@ -140,6 +145,8 @@ class WebSocketCodeModeSessionProvider(SharedConnectionProvider[WebSocketLink]):
         self.wire_revision = WireRevision(wire_revision)
         self._token = token
         self._handshake_timeout = handshake_timeout
+        self._ping_interval = ping_interval
+        self._ping_timeout = ping_timeout
 
     async def _connect(self) -> WebSocketLink:
         connection = await connect_websocket(
@@ -148,5 +155,7 @@ class WebSocketCodeModeSessionProvider(SharedConnectionProvider[WebSocketLink]):
             token=self._token,
             handshake_timeout=self._handshake_timeout,
             wire_revision=self.wire_revision,
+            ping_interval=self._ping_interval,
+            ping_timeout=self._ping_timeout,
         )
         return WebSocketLink(connection)
