@@ -1396,20 +1396,25 @@ def host_glue_failures(recorder: Recorder) -> None:
 
 @scenario
 def client_glue_failures(recorder: Recorder) -> None:
-    """K1 (close), K2 (exit), K3 (read), K4 (write), K7 (text) once the handshake is done."""
-    ends: list[tuple[Callable[[ClientProtocol], None], str]] = [
-        (ClientProtocol.close, texts.HOST_CONNECTION_CLOSED),
-        (lambda client: client.host_exited(3), texts.host_exited(3)),
-        (lambda client: client.read_failed("reset"), texts.host_read_failed("reset")),
-        (lambda client: client.write_failed("EPIPE"), texts.host_write_failed("EPIPE")),
-        (ClientProtocol.text_received, texts.HOST_SENT_TEXT),
+    """K1 (close), K2 (exit), K3 (read), K4 (write), K7 (text) once the handshake is done, and
+    a request the host left unanswered past the glue's deadline."""
+    ends: list[tuple[Callable[[ClientProtocol, int], None], str]] = [
+        (lambda client, _: client.close(), texts.HOST_CONNECTION_CLOSED),
+        (lambda client, _: client.host_exited(3), texts.host_exited(3)),
+        (lambda client, _: client.read_failed("reset"), texts.host_read_failed("reset")),
+        (lambda client, _: client.write_failed("EPIPE"), texts.host_write_failed("EPIPE")),
+        (lambda client, _: client.text_received(), texts.HOST_SENT_TEXT),
+        (
+            lambda client, request_id: client.answer_overdue(request_id, "execution"),
+            texts.host_timed_out("execution"),
+        ),
     ]
     for end, reason in ends:
         pair = Pair(recorder, manual_host={ev.StartExecute})
         session = open_session(pair)
         request_id = pair.client.execute(session, request())
         pair.run()
-        end(pair.client)
+        end(pair.client, request_id)
         pair.client.read_failed("later")  # the first failure wins
         pair.run()
         client_ended(pair, reason)
