@@ -313,8 +313,10 @@ class V1ClientConnection:
 
     def _overdue(self, request_id: int, operation: str, allowance: float) -> None:
         del self._deadlines[request_id]
-        if self._protocol.held_back(request_id):
+        if self._protocol.held_back(request_id) or self._callback_tasks:
             # A held-back wait has not reached the host yet (§9.4): its time starts once sent.
+            # A host that waits for one of our own callbacks (a slow tool, a notification it
+            # must see delivered before the cell yields) is not silent: its time starts again.
             self._arm(request_id, operation, allowance)
             return
         self._protocol.answer_overdue(request_id, operation)
