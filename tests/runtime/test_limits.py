@@ -9,7 +9,7 @@ import pytest
 from codemode.protocol import ExecuteRequest, InputText, Result
 from codemode.runtime import LocalSession, LocalSessionProvider
 from codemode.runtime import session as session_module
-from codemode.runtime.cell import PENDING_VALUES_TOO_MANY
+from codemode.runtime.cell import PENDING_CONTAINERS_TOO_MANY, PENDING_VALUES_TOO_MANY
 from tests.contract.delegate import FIXTURE_TOOLS, RecordingDelegate
 
 
@@ -112,6 +112,32 @@ async def test_the_json_values_of_unsettled_tool_inputs_are_bounded(session: Loc
     )
     assert result.error_text is None
     assert result.content_items == [InputText(PENDING_VALUES_TOO_MANY), InputText("true")]
+
+
+async def test_the_arrays_and_objects_of_unsettled_tool_inputs_are_bounded(
+    session: LocalSession,
+) -> None:
+    # Guards the bound on arrays and objects (cell.py): two million empty arrays are within the
+    # bound on values, and decoding them (each a Python object the cyclic collector walks again
+    # and again) held the event loop of every session for 0.5 to 2.5 s per call. Brackets inside a
+    # string do not count.
+    result = await run(
+        session,
+        "const many = Array.from({length: 600_000}, () => []);\n"
+        "try { await tools.echo({many}) } catch (e) { text(e) }\n"
+        "const nested = Array.from({length: 5_000}, () => JSON.parse('['.repeat(120) + ']'.repeat(120)));\n"
+        "try { await tools.echo({nested}) } catch (e) { text(e) }\n"
+        "const fewer = Array.from({length: 500_000}, () => []);\n"
+        "const brackets = '[{'.repeat(1_000_000);\n"
+        "const back = await tools.echo({fewer, brackets});\n"
+        "text(String(back.fewer.length === 500_000 && back.brackets === brackets))",
+    )
+    assert result.error_text is None
+    assert result.content_items == [
+        InputText(PENDING_CONTAINERS_TOO_MANY),
+        InputText(PENDING_CONTAINERS_TOO_MANY),
+        InputText("true"),
+    ]
 
 
 async def test_notifications_do_not_count_against_the_output_limit(session: LocalSession) -> None:

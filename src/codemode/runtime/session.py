@@ -293,6 +293,7 @@ class LocalSession(CodeModeSession):
         self.pending_calls = 0  # unresolved nested calls and notifications of all cells
         self.pending_input_chars = 0  # characters of their inputs and texts (cell.py bounds it)
         self.pending_input_values = 0  # JSON values of their inputs (at most; cell.py bounds it)
+        self.pending_input_containers = 0  # their arrays and objects (at most; cell.py bounds it)
         self.delegate = delegate
         self.limits = limits or CodeModeSessionCellExecutionLimits()
         check_limits(self.limits)
@@ -541,18 +542,22 @@ class LocalSession(CodeModeSession):
             self._idle_timer = self._loop.call_later(self._idle_timeout, self._reap_if_idle)
             self._offer_engine()
 
-    def hold_callback(self, task: asyncio.Future[Any], size: int, values: int = 0) -> None:
+    def hold_callback(
+        self, task: asyncio.Future[Any], size: int, values: int = 0, containers: int = 0
+    ) -> None:
         """Count a nested call or notification served by ``task``, ``size`` characters of its
-        input or text and ``values`` JSON values of its input, until ``task`` is done (one done
-        callback for all counts)."""
+        input or text, ``values`` JSON values of its input and ``containers`` arrays and objects
+        among them, until ``task`` is done (one done callback for all counts)."""
         self.pending_calls += 1
         self.pending_input_chars += size
         self.pending_input_values += values
+        self.pending_input_containers += containers
 
         def release(_: object) -> None:
             self.pending_calls -= 1
             self.pending_input_chars -= size
             self.pending_input_values -= values
+            self.pending_input_containers -= containers
 
         task.add_done_callback(release)
 
