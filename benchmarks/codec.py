@@ -2,7 +2,8 @@
 
 Run: ``python -m benchmarks.codec`` (or ``python benchmarks/codec.py``).
 
-For each payload: typed decode+validate through :class:`MessageDecoder` and a full
+Payloads: a small and a medium frame, a 16 MiB tool result of one long string, and a tool result of
+250,000 small rows (a million values: the decoder's cost per value). For each: typed decode+validate through :class:`MessageDecoder` and a full
 :class:`FrameDecoder` pass, and encode+frame through :func:`encode_frame`, beside the baselines
 ``msgspec.json.decode`` (untyped) and ``json.loads`` of the same payload bytes.
 """
@@ -91,6 +92,16 @@ def _large() -> tuple[str, bytes, MessageDecoder[Any]]:
     return "16 MiB tool result", json.dumps(message).encode(), MessageDecoder(ClientToHost)
 
 
+def _many_values() -> tuple[str, bytes, MessageDecoder[Any]]:
+    rows = [{"id": i, "name": "x", "tags": [], "score": 1.5} for i in range(250_000)]
+    message = {
+        "type": "delegate/response",
+        "id": 9,
+        "result": {"status": "ok", "value": {"type": "tool/result", "result": rows}},
+    }
+    return "250k-row tool result", json.dumps(message).encode(), MessageDecoder(ClientToHost)
+
+
 def _rate(function: Callable[[], object], budget: float) -> float:
     """Calls per second of ``function``, best of several rounds within ``budget`` seconds."""
     function()
@@ -122,7 +133,7 @@ def _frame_pass(frame: bytes, decoder: MessageDecoder[Any]) -> Callable[[], obje
 def main(budget: float = 1.0) -> None:
     """Print the codec table."""
     rows: list[tuple[str, str, float, int]] = []
-    for name, payload, decoder in (_small(), _medium(), _large()):
+    for name, payload, decoder in (_small(), _medium(), _large(), _many_values()):
         size = len(payload)
         message = decoder.decode(payload)
         frame = bytes(encode_frame(message))
