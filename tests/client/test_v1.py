@@ -869,30 +869,32 @@ async def test_a_held_back_wait_gets_its_time_once_sent(monkeypatch: pytest.Monk
 
 
 @pytest.mark.timeout(30)
-async def test_a_host_waiting_for_our_own_callback_is_not_silent(
+async def test_a_host_waiting_for_our_notification_to_be_delivered_is_not_silent(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Guards: while one of the client's delegate callbacks is still running (a slow tool, a
-    # notification the host must see delivered before the cell yields), the host's silence is
-    # ours: the connection is not failed with "host timed out" for it.
+    # Guards: a cell's yield waits until its notifications were delivered, so while the client's
+    # own delegate still delivers one the host's silence is ours: the connection is not failed
+    # with "host timed out" for it.
     monkeypatch.setattr(client_v1, "TRANSPORT_ALLOWANCE", SILENT_ALLOWANCE, raising=False)
     release = asyncio.Event()
 
-    async def block(value: Any, token: CancellationToken) -> Any:
-        await release.wait()
-        return "done"
+    class SlowToNotify(ScriptedDelegate):
+        async def notify(
+            self, call_id: str, cell_id: CellId, text: str, cancellation: CancellationToken
+        ) -> None:
+            await release.wait()
 
     connection, host = await connected()
-    session = await open_session(connection, host, ScriptedDelegate(behaviour={"block": block}))
+    session = await open_session(connection, host, SlowToNotify())
     execute = asyncio.create_task(session.execute(ExecuteRequest("c", "x", [], 0, None)))
     request = await expect_request(host, SessionExecute)
     host.send(OperationResponse(request.id, WireOk(ExecutionStarted("1"))))
     cell = await within(ONE_SECOND, execute)
-    host.send(tool_invoke(1, "block", None))
+    host.send(DelegateRequestMessage(1, S1, NotificationSend("c", "1", "hello")))
     await asyncio.sleep(1.5)  # past the execute's 1.2 s
     assert connection.is_alive()
     release.set()
-    assert await host.receive() == DelegateResponseMessage(1, WireOk(ToolResult("done")))
+    assert await host.receive() == DelegateResponseMessage(1, WireOk(NotificationDelivered()))
     host.send(ExecuteInitialResponse(request.id, WireOk(ok_result("1"))))
     await within(ONE_SECOND, cell.initial_response())
     assert connection.is_alive()

@@ -108,6 +108,7 @@ class V1ClientConnection:
         self._cell_contexts: dict[tuple[str, CellId], contextvars.Context] = {}
         # Callback tasks by delegate id, held until they settle (the loop keeps weak references).
         self._callback_tasks: dict[int, asyncio.Future[Any]] = {}
+        self._notifying: set[int] = set()  # those of them that deliver a notification
         # Each request's deadline: nothing else notices a host that stops answering over a pipe.
         self._deadlines: dict[int, asyncio.TimerHandle] = {}
         self._reader: asyncio.Task[None] | None = None
@@ -313,10 +314,11 @@ class V1ClientConnection:
 
     def _overdue(self, request_id: int, operation: str, allowance: float) -> None:
         del self._deadlines[request_id]
-        if self._protocol.held_back(request_id) or self._callback_tasks:
+        if self._protocol.held_back(request_id) or self._notifying:
             # A held-back wait has not reached the host yet (§9.4): its time starts once sent.
-            # A host that waits for one of our own callbacks (a slow tool, a notification it
-            # must see delivered before the cell yields) is not silent: its time starts again.
+            # A host that waits for a notification of ours to be delivered (the cell's yield
+            # waits for it) is not silent: its time starts again. A tool call of ours holds
+            # nothing back: the cell yields on time while it runs.
             self._arm(request_id, operation, allowance)
             return
         self._protocol.answer_overdue(request_id, operation)
@@ -479,10 +481,13 @@ class V1ClientConnection:
         )
         if task is not None:
             self._callback_tasks[delegate_id] = task
+            if isinstance(callback, ev.NotificationCallback):
+                self._notifying.add(delegate_id)
 
     def _settle(self, delegate_id: int, result: CallbackResult) -> None:
         self._tokens.pop(delegate_id, None)
         self._callback_tasks.pop(delegate_id, None)
+        self._notifying.discard(delegate_id)
         self._protocol.finish_callback(delegate_id, result)
         self._flush()
 
