@@ -79,6 +79,14 @@ def test_default_command() -> None:
 # -- the real host -------------------------------------------------------------------------------
 
 
+def signal_host(provider: ProcessOwnedCodeModeSessionProvider, signum: int) -> int:
+    """Send ``signum`` to the provider's host process; return its pid."""
+    host = provider.host
+    assert host is not None
+    os.kill(host.pid, signum)
+    return host.pid
+
+
 async def test_one_host_is_shared_by_every_session(
     provider: ProcessOwnedCodeModeSessionProvider,
 ) -> None:
@@ -127,10 +135,7 @@ async def test_killing_the_host_mid_cell_fails_every_pending_call_within_one_sec
     ]
     await asyncio.sleep(0.3)
     assert not any(task.done() for task in pending)
-    host = provider.host
-    assert host is not None
-    pid = host.pid
-    os.kill(pid, signal.SIGKILL)
+    pid = signal_host(provider, signal.SIGKILL)
     loop = asyncio.get_running_loop()
     started = loop.time()
     results = await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 1.0)
@@ -171,10 +176,7 @@ async def test_a_stopped_host_fails_pending_calls_at_their_deadline_and_is_kille
     )
     while not delegate.calls:  # the host is serving the tool call when it stops
         await asyncio.sleep(0.01)
-    host = provider.host
-    assert host is not None
-    pid = host.pid
-    os.kill(pid, signal.SIGSTOP)
+    pid = signal_host(provider, signal.SIGSTOP)
     loop = asyncio.get_running_loop()
     started = loop.time()
     pending = [
