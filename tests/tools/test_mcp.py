@@ -24,6 +24,11 @@ from tests.tools.cells import run_cell
 SERVER = Path(__file__).with_name("mcp_server.py")
 
 
+def written(path: Path) -> str:
+    """What ``path`` holds so far ("" before it exists)."""
+    return path.read_text(encoding="utf-8") if path.exists() else ""
+
+
 def stdio_server(marker: Path | None = None) -> StdioServerParameters:
     env = {} if marker is None else {"CODEMODE_TEST_MARKER": str(marker)}
     return StdioServerParameters(command=sys.executable, args=[str(SERVER)], env=env)
@@ -71,9 +76,10 @@ text((await tools.mcp__weather__until_hang_started()).structuredContent.result);
                 "started",
             ]
             deadline = time.monotonic() + 10
-            while not marker.exists() and time.monotonic() < deadline:
+            # The server creates the file before it writes the line: wait for the whole line.
+            while not written(marker).endswith("\n") and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            assert marker.read_text(encoding="utf-8") == "cancelled\n"
+            assert written(marker) == "cancelled\n"
     assert description.count("Shared MCP Types:") == 1
     assert "### `mcp__weather__forecast`\nTomorrow's forecast for a city." in description
 
