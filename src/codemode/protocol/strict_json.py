@@ -13,10 +13,12 @@ test can not see). Only in those two cases is the text parsed again, slowly, to 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
 import re
+from collections.abc import Iterator
 from typing import Any, Final
 
 import jiter
@@ -26,6 +28,7 @@ __all__ = [
     "LARGE_PAYLOAD_BYTES",
     "JSONError",
     "check_no_duplicate_keys",
+    "collector_paused",
     "dumps",
     "loads",
     "loads_large",
@@ -87,23 +90,32 @@ def check_no_duplicate_keys(text: bytes | bytearray, decoded: Any) -> None:
     _find_duplicate_slowly(bytes(text))
 
 
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic collector off for the block, as it was after it: a decode that makes
+    millions of lists and dicts would otherwise have it walk them again and again."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def loads_large(data: bytes) -> Any:
     """Decode a strict JSON text with jiter (fast on long strings).
 
     The cyclic collector is paused meanwhile: run while a decode makes millions of lists and
     dicts, it walked them again and again (most of the time of such a text: 0.9 s for two
     million empty arrays)."""
-    collecting = gc.isenabled()
-    gc.disable()
     try:
-        value = jiter.from_json(
-            data, allow_inf_nan=False, catch_duplicate_keys=True, cache_mode="keys"
-        )
+        with collector_paused():
+            value = jiter.from_json(
+                data, allow_inf_nan=False, catch_duplicate_keys=True, cache_mode="keys"
+            )
     except ValueError as error:
         raise JSONError(str(error)) from None
-    finally:
-        if collecting:
-            gc.enable()
     # jiter turns a number beyond the double range into inf; strict JSON rejects it. Found at C
     # speed (a walk over every value in Python took 0.5 s for four million numbers).
     if non_finite_number(value) is not None:

@@ -9,7 +9,6 @@ buffered for the next one.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -23,6 +22,7 @@ from codemode.errors import CodeModeError
 from codemode.protocol.constants import CALLBACK_GRACE, MAX_PENDING_DELEGATE_CALLS
 from codemode.protocol.delegation import CallbackFailed, CallbackResult, tool_result_json
 from codemode.protocol.identifiers import normalize_identifier
+from codemode.protocol.strict_json import collector_paused
 from codemode.protocol.texts import (
     EXEC_RUNTIME_ENDED_UNEXPECTEDLY,
     TOO_MANY_CALLBACKS,
@@ -107,35 +107,29 @@ def _json_values(text: str, room: int) -> int | None:
     """How many values (keys included) JSON ``text`` holds at most, or ``None`` when more than
     ``room``. Counted from its separators (C-speed scans); only when those exceed ``room`` are the
     strings, whose own commas and colons count too, taken out first."""
-    count = text.count(",") + text.count(":") + text.count("[") + text.count("{") + 1
-    if count <= room:
-        return count
-    bare = _outside_strings(text)
-    count = bare.count(",") + bare.count(":") + bare.count("[") + bare.count("{") + 1
-    return count if count <= room else None
+    return _counted(text, ",:[{", 1, room)
 
 
 def _json_containers(text: str, room: int) -> int | None:
     """How many arrays and objects JSON ``text`` holds at most, or ``None`` when more than
     ``room`` (counted as :func:`_json_values` counts)."""
-    count = text.count("[") + text.count("{")
+    return _counted(text, "[{", 0, room)
+
+
+def _counted(text: str, marks: str, base: int, room: int) -> int | None:
+    count = base + sum(map(text.count, marks))
     if count <= room:
         return count
     bare = _outside_strings(text)
-    count = bare.count("[") + bare.count("{")
+    count = base + sum(map(bare.count, marks))
     return count if count <= room else None
 
 
-def _decode_input(text: str) -> Any:
-    """A tool input, decoded without the cyclic collector: run while a decode makes up to a
-    million arrays and objects, it walked them again and again (most of the decode's time)."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+def _decoded_input(text: str) -> Any:
+    """A tool input, decoded with the cyclic collector paused (a million arrays and objects had it
+    walk them again and again: most of the decode's time)."""
+    with collector_paused():
         return _DECODER.decode(text)
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def _outside_strings(text: str) -> str:
@@ -438,7 +432,7 @@ class Cell:
                 return
             containers = counted
         try:
-            arguments = None if input_json is None else _decode_input(input_json)
+            arguments = None if input_json is None else _decoded_input(input_json)
         except (msgspec.DecodeError, RecursionError):  # the prelude bounds depth; the engine
             # is untrusted all the same
             self._engine.send_result(self.key, call_id, False, "tool input is not JSON")
