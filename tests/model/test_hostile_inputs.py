@@ -309,6 +309,28 @@ async def test_exec_function_arguments_nested_past_the_decoder_are_a_parse_failu
     assert rendered.to_json() == [{"type": "input_text", "text": ARGUMENTS_TOO_DEEP}]
 
 
+@pytest.mark.parametrize(
+    ("tool", "arguments", "detail"),
+    [
+        ("wait", '{"cell_id": "\\ud800"}', "JSON is malformed: unpaired utf-16 surrogate escape"),
+        ("wait", '{"cell_id": "1", "max_tokens": ' + "9" * 5000 + "}", "Integer value out of"),
+        ("exec", '{"code": "text(1)", "n": ' + "9" * 5000 + "}", "integer of 5000 digits out"),
+    ],
+)
+async def test_function_arguments_the_decoder_refuses_get_its_own_words(
+    code_mode: CodeMode, tool: str, arguments: str, detail: str
+) -> None:
+    # Not msgspec's "Input data was truncated" for a whole text, nor Python's advice to raise
+    # its digit limit: what the model can act on.
+    if tool == "wait":
+        rendered = await code_mode.handle_wait(arguments)
+    else:
+        rendered = await code_mode.handle_exec_arguments("call-1", arguments)
+    assert not rendered.success
+    (item,) = rendered.to_json()
+    assert item["text"].startswith(f"failed to parse function arguments: {detail}")
+
+
 async def test_anthropic_wait_input_nested_past_the_encoder_is_a_parse_failure(
     code_mode: CodeMode,
 ) -> None:

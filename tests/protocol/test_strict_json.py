@@ -44,6 +44,23 @@ def test_rejected_when_large(text: bytes) -> None:
         loads(padded)
 
 
+@pytest.mark.parametrize(
+    ("text", "byte"),
+    [(b'"\\ud800"', 1), (b'["\\ud800"]', 2), (b'{"a":"x\\uDBFF"}', 7), (b'"\\\\\\ud800"', 3)],
+)
+def test_an_unpaired_surrogate_escape_is_named_not_called_truncated(text: bytes, byte: int) -> None:
+    # msgspec reports these as "Input data was truncated"; the text is whole.
+    with pytest.raises(JSONError) as raised:
+        loads(text)
+    assert str(raised.value) == f"JSON is malformed: unpaired utf-16 surrogate escape (byte {byte})"
+
+
+@pytest.mark.parametrize("text", [b'"abc', b'["\\\\ud800', b'{"a":'])
+def test_a_truncated_text_is_still_called_truncated(text: bytes) -> None:
+    with pytest.raises(JSONError, match=r"^Input data was truncated$"):
+        loads(text)
+
+
 def test_lone_surrogate_character_in_str_is_rejected() -> None:
     with pytest.raises(JSONError):
         loads('"\ud800"')

@@ -104,11 +104,21 @@ def exec_code_parameters() -> dict[str, JSON]:
     }
 
 
+def _integer(digits: str) -> int:
+    if len(digits) > _MAX_INTEGER_DIGITS:  # else Python's advice to raise its digit limit
+        raise ValueError(f"integer of {len(digits)} digits out of range")
+    return int(digits)
+
+
+_MAX_INTEGER_DIGITS: Final = 4000
+
+
 def _exec_code(arguments: object) -> str:
     """The source in ``exec`` function arguments (JSON text or a mapping), or a failure text."""
     if isinstance(arguments, str | bytes):
         try:
-            arguments = json.loads(arguments)
+            # json, not strict JSON: a lone surrogate escape in the code runs as U+FFFD.
+            arguments = json.loads(arguments, parse_int=_integer)
         except ValueError as error:
             raise CodeModeError(f"failed to parse function arguments: {error}") from None
         except RecursionError:

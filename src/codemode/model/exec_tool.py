@@ -24,6 +24,7 @@ from codemode.protocol.constants import (
     U64_MAX,
     WAIT_TOOL_NAME,
 )
+from codemode.protocol.strict_json import decode_error_detail
 from codemode.protocol.types import JSON, ToolDefinition
 from codemode.protocol.whitespace import trim
 
@@ -370,7 +371,11 @@ def parse_wait_arguments(arguments: str | bytes | Mapping[str, object]) -> WaitA
         if isinstance(arguments, Mapping):
             return msgspec.convert(dict(arguments), WaitArguments)
         return _WAIT_DECODER.decode(arguments)
-    except (msgspec.DecodeError, UnicodeError) as error:
+    except msgspec.DecodeError as error:
+        text = "" if isinstance(arguments, Mapping) else arguments
+        detail = decode_error_detail(error, text)
+        raise CodeModeError(f"failed to parse function arguments: {detail}") from None
+    except UnicodeError as error:
         raise CodeModeError(f"failed to parse function arguments: {error}") from None
     except RecursionError:  # the model's JSON nests deeper than the decoder goes
         raise CodeModeError(ARGUMENTS_TOO_DEEP) from None

@@ -9,6 +9,7 @@ import msgspec
 
 from codemode.errors import CodeModeError
 from codemode.protocol.constants import CODE_MODE_PRAGMA_PREFIX, MAX_JS_SAFE_INTEGER, U64_MAX
+from codemode.protocol.strict_json import decode_error_detail
 from codemode.protocol.whitespace import is_blank, trim, trim_start
 
 __all__ = ["ParsedExecSource", "parse_exec_source"]
@@ -74,10 +75,11 @@ def parse_exec_source(source: str) -> ParsedExecSource:
     directive = trim(trim_start(first)[len(CODE_MODE_PRAGMA_PREFIX) :])
     if not directive:
         raise CodeModeError(_NOT_OBJECT)
+    text = directive.encode("utf-8", "surrogatepass")
     try:
-        value = _DECODER.decode(directive.encode("utf-8", "surrogatepass"))
+        value = _DECODER.decode(text)
     except msgspec.DecodeError as error:
-        raise CodeModeError(_INVALID_JSON + str(error)) from None
+        raise CodeModeError(_INVALID_JSON + decode_error_detail(error, text)) from None
     except RecursionError:  # nested deeper than the decoder goes (serde_json's words)
         raise CodeModeError(_INVALID_JSON + "recursion limit exceeded") from None
     if not isinstance(value, dict):

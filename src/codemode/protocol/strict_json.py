@@ -29,6 +29,7 @@ __all__ = [
     "JSONError",
     "check_no_duplicate_keys",
     "collector_paused",
+    "decode_error_detail",
     "dumps",
     "loads",
     "loads_large",
@@ -48,6 +49,11 @@ _MSGPACK: Final = msgspec.msgpack.Encoder()
 # never inside UTF-8 text, where 0xcb must be followed by 0x80-0xbf): a rare false alarm, which the
 # exact walk then clears.
 _NON_FINITE_FLOAT64: Final = re.compile(rb"\xcb[\x7f\xff][\xf0-\xff]")
+
+# A high surrogate escape not followed by a low one, its backslash not itself escaped.
+_UNPAIRED_HIGH_SURROGATE: Final = re.compile(
+    rb"(?<!\\)(?:\\\\)*(\\u[dD][89abAB][0-9a-fA-F]{2})(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+)
 
 Buffer = bytes | bytearray | memoryview
 
@@ -149,6 +155,21 @@ def non_finite_number(value: Any) -> float | None:
     return None
 
 
+def decode_error_detail(error: msgspec.DecodeError, data: Buffer | str) -> str:
+    """msgspec's detail for ``error``, made true where it misleads.
+
+    msgspec reports a high surrogate escape with fewer than six bytes after it (``"\\ud800"}``)
+    as "Input data was truncated", which sends a reader looking for a cut-off text.
+    """
+    detail = str(error)
+    if detail == "Input data was truncated":
+        text = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
+        found = _UNPAIRED_HIGH_SURROGATE.search(text)
+        if found is not None:
+            return f"JSON is malformed: unpaired utf-16 surrogate escape (byte {found.start(1)})"
+    return detail
+
+
 def loads(data: Buffer | str) -> Any:
     """Decode one strict JSON text (bytes or str) into plain Python values."""
     if isinstance(data, str):
@@ -165,7 +186,7 @@ def loads(data: Buffer | str) -> Any:
     try:
         value = _ANY_DECODER.decode(raw)
     except msgspec.DecodeError as error:
-        raise JSONError(str(error)) from None
+        raise JSONError(decode_error_detail(error, raw)) from None
     check_no_duplicate_keys(raw, value)
     return value
 

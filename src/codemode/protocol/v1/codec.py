@@ -20,6 +20,7 @@ from codemode.protocol.strict_json import (
     LARGE_PAYLOAD_BYTES,
     JSONError,
     check_no_duplicate_keys,
+    decode_error_detail,
     loads_large,
 )
 from codemode.protocol.v1.messages import BLANK_IDENTIFIER_ERROR, IDENTIFIER_MUST_NOT_BE_EMPTY
@@ -152,7 +153,8 @@ class MessageDecoder(Generic[M]):
                 ) from None
             raise FrameError(FrameErrorKind.INVALID_JSON, _DECODE_PREFIX + str(error)) from None
         except msgspec.DecodeError as error:
-            raise FrameError(FrameErrorKind.INVALID_JSON, _DECODE_PREFIX + str(error)) from None
+            detail = decode_error_detail(error, payload)
+            raise FrameError(FrameErrorKind.INVALID_JSON, _DECODE_PREFIX + detail) from None
         # A payload that is byte for byte the canonical encoding of what it decoded to cannot
         # repeat a key (the encoder never does); canonical peers always take this exit.
         if _ENCODER.encode(message) != payload:
@@ -201,7 +203,10 @@ class MessageDecoder(Generic[M]):
 def _check_json(payload: bytes | bytearray) -> None:
     try:
         check_no_duplicate_keys(payload, _ANY_DECODER.decode(payload))
-    except (msgspec.DecodeError, JSONError) as error:
+    except msgspec.DecodeError as error:
+        detail = decode_error_detail(error, payload)
+        raise FrameError(FrameErrorKind.INVALID_JSON, _DECODE_PREFIX + detail) from None
+    except JSONError as error:
         raise FrameError(FrameErrorKind.INVALID_JSON, _DECODE_PREFIX + str(error)) from None
 
 
