@@ -365,6 +365,15 @@ def test_a_callable_without_hints_is_refused_with_a_message_naming_the_tool() ->
         tool(Adder())
 
 
+def test_a_lambda_needs_a_name_given() -> None:
+    # Named `<lambda>` by Python: two of them were one tool, shown to the model as `_lambda_`.
+    with pytest.raises(TypeError, match=r"has no name of its own: give the tool a name=$"):
+        tool(lambda x: x)
+    with pytest.raises(TypeError, match=r"has no name of its own: give the tool a name=$"):
+        ToolRegistry().tool(functools.partial(lambda x, y: x, y=1))
+    assert tool(name="echo")(lambda x: x).definition.name == "echo"
+
+
 def test_a_default_that_is_not_json_is_refused_naming_the_parameter() -> None:
     # It was "its parameters have no JSON Schema (Encoding objects of type object is
     # unsupported)": which parameter, and why, was left to guess.

@@ -163,7 +163,7 @@ def test_timeouts_must_be_positive() -> None:
         ToolRegistry(timeout=0)
     registry = ToolRegistry()
     with pytest.raises(ValueError, match="positive number of seconds"):
-        registry.tool(timeout=-1)(lambda: None)
+        registry.tool(name="t", timeout=-1)(lambda: None)
 
 
 async def test_sync_tools_run_in_a_worker_thread_unless_inline() -> None:

@@ -138,10 +138,18 @@ def test_live_cell_outcome_renders_its_response() -> None:
         (59.95, "60.0"),
         (123456.78, "123456.8"),
         (-1.0, "0.0"),
+        (1e28, "10000000000000000000000000000.0"),
+        (1.7976931348623157e308, "17976931348623157" + "0" * 292 + ".0"),
     ],
 )
 def test_wall_time_rounds_halves_away_from_zero(seconds: float, expected: str) -> None:
     assert format_wall_time(seconds) == expected
+
+
+@pytest.mark.parametrize("seconds", [math.inf, math.nan])
+def test_a_wall_time_that_is_no_number_is_refused_by_name(seconds: float) -> None:
+    with pytest.raises(ValueError, match=r"^wall time must be a finite number of seconds"):
+        format_wall_time(seconds)
 
 
 def test_default_budget_is_10000_tokens() -> None:

@@ -351,6 +351,8 @@ class Tool(Generic[P, R]):
             name = getattr(target, "__name__", None)
             if not isinstance(name, str):
                 raise TypeError(f"{function!r} has no __name__: give the tool a name=")
+            if not name.isidentifier():  # `<lambda>`: every lambda would be the same tool
+                raise TypeError(f"{function!r} has no name of its own: give the tool a name=")
         tool_name = ToolName(name, namespace)
         flat = _checked_flat_name(tool_name)
         try:

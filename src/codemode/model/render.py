@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from decimal import ROUND_HALF_UP, Decimal
+from decimal import ROUND_HALF_UP, Context, Decimal
 from typing import Final
 
 from codemode.protocol.constants import DEFAULT_MAX_OUTPUT_TOKENS_PER_EXEC_CALL
@@ -47,6 +48,7 @@ __all__ = [
 DEFAULT_IMAGE_DETAIL: Final = ImageDetail.HIGH
 _BYTES_PER_TOKEN: Final = 4
 _ONE_DECIMAL: Final = Decimal("0.1")
+_WALL_TIME_DIGITS: Final = 320  # the largest double has 309 digits before the point
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,8 +259,13 @@ def truncate_items(items: Sequence[ContentItem], max_tokens: int) -> list[Conten
 def format_wall_time(seconds: float) -> str:
     """Seconds with one decimal, halves rounded away from zero (``1.25`` → ``1.3``)."""
     # repr() gives the shortest decimal that round-trips, i.e. the number as the caller wrote it.
-    seconds = max(0.0, float(seconds))
-    return str(Decimal(repr(seconds)).quantize(_ONE_DECIMAL, rounding=ROUND_HALF_UP))
+    seconds = float(seconds)
+    if not math.isfinite(seconds):
+        raise ValueError(f"wall time must be a finite number of seconds, not {seconds!r}")
+    seconds = max(0.0, seconds)
+    # Exact for any double: quantize needs a precision of all the digits before the point.
+    exact = Context(prec=_WALL_TIME_DIGITS)
+    return str(Decimal(repr(seconds)).quantize(_ONE_DECIMAL, ROUND_HALF_UP, exact))
 
 
 def _status(response: RuntimeResponse) -> tuple[str, bool]:
