@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import os
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -41,8 +42,9 @@ from codemode.runtime import LocalSession, LocalSessionProvider
 from codemode.runtime import cell as cell_module
 from codemode.runtime import engine as engine_module
 from codemode.runtime.cell import MAX_BUFFERED_OUTPUT_CHARS
+from codemode.runtime.engine import _HostProtocol
 from tests.contract.delegate import RecordingDelegate
-from tests.runtime.test_engine_messages import wired
+from tests.runtime.test_engine_messages import Events, wired
 from tests.sandbox.conftest import start
 from tests.wire import frame
 
@@ -512,3 +514,88 @@ async def test_the_engine_of_a_session_runs_confined_with_nothing_of_ours(
         assert "NoNewPrivs:\t1" in status
     if report.seccomp:
         assert "Seccomp:\t2" in status
+
+
+# -- one engine's burst of messages shares the event loop ------------------------------------------
+
+
+class SlowEvents(Events):
+    """Each message takes a millisecond to handle (as a tool call's eager start can)."""
+
+    def on_notify(self, text: str) -> None:
+        time.sleep(0.001)
+        super().on_notify(text)
+
+
+def _burst(count: int) -> bytes:
+    return frame([{"t": "notify", "cell": 1, "text": str(i)} for i in range(count)])
+
+
+async def test_a_burst_of_engine_messages_lets_other_callbacks_run_in_between() -> None:
+    # Guards: engine.py dispatches an engine's messages in slices of DISPATCH_SLICE seconds.
+    # A frame of 1,024 tool calls (≈0.1 ms each) held the loop every session shares for
+    # 0.1-0.2 s per frame, so another session's cell waited that long for each of its steps.
+    engine, protocol, _, _ = wired()
+    events = engine._cells[1] = SlowEvents()
+    loop = asyncio.get_running_loop()
+    seen_by_other: list[int] = []  # another session's callback, ready again every iteration
+
+    def other() -> None:
+        seen_by_other.append(len(events.seen))
+        if len(events.seen) < 400:
+            loop.call_soon(other)
+
+    loop.call_soon(other)  # ready before the frames arrive
+    protocol.data_received(_burst(200) + _burst(200))  # ≥ 0.4 s of work in all
+    assert 0 < len(events.seen) < 400
+    for _ in range(2000):
+        if len(events.seen) == 400:
+            break
+        await asyncio.sleep(0)
+    assert [text for _, text in events.seen] == [str(i) for i in range(200)] * 2  # in order
+    # The other callback ran between slices, not once the whole burst was handled.
+    assert seen_by_other[0] < 400
+    assert len([n for n in seen_by_other if n < 400]) >= 10
+
+
+async def test_the_engine_pipe_is_not_read_while_a_burst_is_pending() -> None:
+    # What the engine sends after the burst waits in the pipe (the engine then waits for
+    # Python, as on a full pipe) and is dispatched after it, in order.
+    engine, protocol, _, _ = wired()
+    events = engine._cells[1] = SlowEvents()
+    read_end, write_end = os.pipe()
+    loop = asyncio.get_running_loop()
+    output, _ = await loop.connect_read_pipe(lambda: protocol, os.fdopen(read_end, "rb", 0))
+    engine._output = output
+    engine._reader = protocol
+    try:
+        os.write(write_end, _burst(300))
+        for _ in range(1000):
+            if events.seen:
+                break
+            await asyncio.sleep(0.001)
+        assert not output.is_reading()  # paused with the rest of the burst pending
+        os.write(write_end, frame(b'[{"t":"yield","cell":1,"turn":7}]'))
+        for _ in range(5000):
+            if len(events.seen) == 301:
+                break
+            await asyncio.sleep(0.001)
+        assert events.seen[-1] == ("yield", 7)
+        assert [text for _, text in events.seen[:-1]] == [str(i) for i in range(300)]
+        assert output.is_reading()
+    finally:
+        os.close(write_end)
+        output.close()
+
+
+async def test_an_exit_during_a_burst_comes_after_the_whole_burst() -> None:
+    engine, protocol, _, _ = wired()
+    events = engine._cells[1] = SlowEvents()
+    engine._reader = protocol
+    protocol.data_received(_burst(100))
+    assert len(events.seen) < 100
+    _HostProtocol(engine).process_exited()
+    assert len(events.seen) == 101
+    assert events.seen[-1] == ("exited", "crashed")
+    await asyncio.sleep(0.01)  # the slice that was due does nothing more
+    assert len(events.seen) == 101

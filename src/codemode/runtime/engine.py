@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal, Protocol
 
@@ -208,6 +209,11 @@ class _Batches:
             raise EngineBreach(f"malformed engine frame: {error}") from None
 
 
+#: The longest stretch (seconds) the messages of one engine may hold the event loop, which every
+#: session shares: what is left waits for the loop's next iteration. A frame of 1,024 tool calls
+#: (about 0.1 ms each, the delegate's eager start included) held it for 0.1-0.2 s, every frame,
+#: and the other sessions' cells waited that long for each step.
+DISPATCH_SLICE: Final = 0.005
 #: What one read of the engine's stdout asks for. asyncio's pipes read 256 KiB at a time, which
 #: the allocator serves with mmap/munmap per read (≈15 µs on the development VM against ≈1 µs for
 #: 64 KiB): that was a quarter of the Python side of a nested call. Frames of any size still
@@ -219,28 +225,84 @@ class _EngineOutput(asyncio.Protocol):
     """The engine's stdout, on a pipe end of our own: each chunk is decoded and dispatched in
     the loop iteration that read it (a subprocess transport defers every chunk by a
     ``call_soon``), and what dispatching produced (e.g. tool results) leaves as one frame at the
-    end of it."""
+    end of it.
+
+    Dispatching holds the loop for at most :data:`DISPATCH_SLICE` seconds at a time: what is left
+    (of a frame, or of the frames read with it) waits for the next loop iteration, behind what
+    other sessions have ready meanwhile, and the pipe is not read until it is done (the engine
+    then waits for Python, as it waits on a full pipe)."""
 
     def __init__(self, engine: NodeEngine) -> None:
         self._engine = engine
         self._frames = FrameDecoder(_Batches(), MAX_ENGINE_FRAME_BYTES)
         self.at_eof = False
+        self._batch: list[_EngineMessage] = []  # the frame being dispatched
+        self._next = 0  # its first message not dispatched yet
+        self._later: asyncio.Handle | None = None  # the next slice, while one is due
+        self._transport: asyncio.ReadTransport | None = None
+        self._discarded = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        self.receive(data)
+        self.dispatch()
+
+    def receive(self, data: bytes) -> None:
+        """Take a chunk of the engine's output (dispatched by :meth:`dispatch`)."""
+        self._frames.receive_data(data)
+
+    def dispatch(self, *, whole: bool = False) -> None:
+        """Dispatch what was received, a slice at a time (``whole``: all of it now)."""
         engine = self._engine
-        frames = self._frames
+        if self._later is not None:
+            self._later.cancel()  # this is that slice, or dispatching all at once replaces it
+            self._later = None
+        if self._discarded:
+            return  # the engine is gone: its cells were told already
+        deadline = None if whole else time.perf_counter() + DISPATCH_SLICE
+        more = False  # out of time with messages left (perhaps only frames not decoded yet)
         engine._dispatching = True
         try:
-            frames.receive_data(data)
-            while (batch := frames.next_message()) is not NEED_DATA:
-                engine._dispatch(batch)  # type: ignore[arg-type]
+            while True:
+                if self._next >= len(self._batch):
+                    self._batch, self._next = [], 0
+                    if deadline is not None and time.perf_counter() > deadline:
+                        more = True
+                        break
+                    batch = self._frames.next_message()
+                    if batch is NEED_DATA:
+                        break
+                    self._batch = batch  # type: ignore[assignment]
+                self._next = engine._dispatch(self._batch, self._next, deadline)
+                if self._discarded:
+                    return  # a breach or an exit while dispatching
+                if self._next < len(self._batch):
+                    more = True
+                    break
         except (EngineBreach, FrameError) as breach:
             engine._breach(str(breach))
             return
         finally:
             engine._dispatching = False
+        transport = self._transport
+        if more and not whole:
+            if transport is not None and transport.is_reading():
+                transport.pause_reading()
+            self._later = asyncio.get_running_loop().call_soon(self.dispatch)
+        elif transport is not None and not transport.is_closing() and not transport.is_reading():
+            transport.resume_reading()
         if engine._flush_scheduled:
             engine._flush()
+
+    def discard(self) -> None:
+        """Drop what was not dispatched (the engine is gone)."""
+        self._discarded = True
+        if self._later is not None:
+            self._later.cancel()
+            self._later = None
+        self._batch, self._next = [], 0
 
     def eof_received(self) -> None:
         self.at_eof = True
@@ -499,7 +561,11 @@ class NodeEngine:
     def _drain_output(self) -> None:
         """Dispatch what the exited child left in its stdout pipe (it has no writer any more)."""
         output, reader = self._output, self._reader
-        if output is None or reader is None or reader.at_eof or output.is_closing():
+        if reader is None:
+            return
+        # What is read is dispatched whole: the exit that follows must come after all of it.
+        reader.dispatch(whole=True)
+        if output is None or reader.at_eof or output.is_closing():
             return
         fd = output.get_extra_info("pipe").fileno()
         while self._output is not None:
@@ -511,7 +577,8 @@ class NodeEngine:
                 return
             if not data:
                 return
-            reader.data_received(data)
+            reader.receive(data)
+            reader.dispatch(whole=True)
 
     def _host_exited(self) -> None:
         if self._watchdog is not None:
@@ -526,6 +593,8 @@ class NodeEngine:
         stdin, self._stdin = self._stdin, None
         if stdin is not None and not stdin.is_closing():
             stdin.close()
+        if self._reader is not None:
+            self._reader.discard()
         self._reader = None
         self._gone.set()
         if self._ready is not None and not self._ready.done():
@@ -661,9 +730,18 @@ class NodeEngine:
             return
         self._stdin.write(encode_frame(batch, _MAX_FRAME_TO_ENGINE))
 
-    def _dispatch(self, batch: list[_EngineMessage]) -> None:
+    def _dispatch(
+        self, batch: list[_EngineMessage], start: int = 0, deadline: float | None = None
+    ) -> int:
+        """Dispatch ``batch`` from ``start`` on, until ``deadline`` (``time.perf_counter``) has
+        passed; returns the index of the first message left."""
         cells = self._cells
-        for message in batch:
+        index = start
+        while index < len(batch):
+            if deadline is not None and index > start and time.perf_counter() > deadline:
+                break
+            message = batch[index]
+            index += 1
             if isinstance(message, _Ready):
                 if self._ready is not None and not self._ready.done():
                     self._ready.set_result(None)
@@ -686,6 +764,7 @@ class NodeEngine:
                 raise
             except Exception:  # a bug in one cell's handler must not stop the others
                 logger.exception("codemode engine: failed to handle %s", type(message).__name__)
+        return index
 
     def _deliver(self, message: _EngineMessage, events: CellEvents) -> None:
         if isinstance(message, _Item):
