@@ -11,16 +11,19 @@ from codemode.client import V1ClientConnection, connect_v1
 from codemode.errors import CodeModeError
 from codemode.protocol import CellId, CodeModeNestedToolCall
 from codemode.protocol.constants import SESSION_RESOURCE_LIMITS_CAPABILITY
+from codemode.protocol.deadlines import DEFAULT_RESPONSE_TIMEOUT
 from codemode.session import CancellationToken, CodeModeSessionDelegate
 from tests.wire import RawHost, raw_host
 
 
 async def connected(
     capabilities: tuple[str, ...] = (SESSION_RESOURCE_LIMITS_CAPABILITY,),
+    *,
+    response_timeout: float = DEFAULT_RESPONSE_TIMEOUT,
 ) -> tuple[V1ClientConnection, RawHost]:
     """A client connection whose handshake with a raw fake host succeeded."""
     transport, host = raw_host()
-    task = asyncio.create_task(connect_v1(transport))
+    task = asyncio.create_task(connect_v1(transport, response_timeout=response_timeout))
     await host.handshake(capabilities)
     return await task, host
 

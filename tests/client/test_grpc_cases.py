@@ -253,6 +253,12 @@ class Scripted:
     provider: GrpcCodeModeSessionProvider
     port: int
 
+    def respond_within(self, response_timeout: float) -> None:
+        """Open the next sessions with this ``response_timeout`` (seconds, default 60)."""
+        self.provider = GrpcCodeModeSessionProvider(
+            f"grpc://127.0.0.1:{self.port}", response_timeout=response_timeout
+        )
+
     async def open(self, delegate: Delegate) -> tuple[GrpcSession, Lease]:
         session = await self.provider.create_session(delegate)
         return session, self.fake.lease(session.session_id)
@@ -266,10 +272,13 @@ async def scripted() -> AsyncIterator[Scripted]:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     provider = GrpcCodeModeSessionProvider(f"grpc://127.0.0.1:{port}")
+    instance = Scripted(fake, provider, port)
     try:
-        yield Scripted(fake, provider, port)
+        yield instance
     finally:
         await provider.aclose()
+        if instance.provider is not provider:
+            await instance.provider.aclose()
         await server.stop(0)
 
 
@@ -1148,13 +1157,11 @@ def stall() -> Callable[[Any, Any], Awaitable[pb.WaitResponse]]:
     return hang
 
 
-async def test_c31_stalled_transport_fails_after_its_deadline(
-    scripted: Scripted, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_c31_stalled_transport_fails_after_its_deadline(scripted: Scripted) -> None:
     """`stalled_transport_fails_after_its_deadline` — a call with no runtime allowance times out
     at 60 s (not before). (The 60 s allowance is scaled down to 0.6 s here.)"""
-    assert client_grpc.TRANSPORT_ALLOWANCE == 60.0
-    monkeypatch.setattr(client_grpc, "TRANSPORT_ALLOWANCE", 0.6)
+    assert scripted.provider.response_timeout == 60.0
+    scripted.respond_within(0.6)
     session, _ = await scripted.open(Delegate())
     scripted.fake.terminate = stall()
     began = time.monotonic()
@@ -1168,11 +1175,11 @@ async def test_c31_stalled_transport_fails_after_its_deadline(
 
 
 async def test_c32_requested_runtime_duration_is_added_to_the_transport_deadline(
-    scripted: Scripted, monkeypatch: pytest.MonkeyPatch
+    scripted: Scripted,
 ) -> None:
     """`requested_runtime_duration_is_added_to_the_transport_deadline` — a wait of Y ms times out
     at Y + 1 s + 60 s. (60 s is scaled down to 0.3 s; Y = 300.)"""
-    monkeypatch.setattr(client_grpc, "TRANSPORT_ALLOWANCE", 0.3)
+    scripted.respond_within(0.3)
     session, _ = await scripted.open(Delegate())
     scripted.fake.wait = stall()
     began = time.monotonic()
@@ -1192,7 +1199,7 @@ async def test_c33_default_execution_yield_and_grace_extend_the_outcome_deadline
     outcome is still pending at 70 s and timed out at 72 s. (Scaled: default yield 0.2 s,
     transport allowance 0.3 s: pending at 1.4 s, timed out by 1.6 s.)"""
     assert client_grpc.DEFAULT_YIELD_TIME_MS == 10_000
-    monkeypatch.setattr(client_grpc, "TRANSPORT_ALLOWANCE", 0.3)
+    scripted.respond_within(0.3)
     monkeypatch.setattr(client_grpc, "DEFAULT_YIELD_TIME_MS", 200)
     session, _ = await scripted.open(Delegate())
     scripted.fake.execute = starts_then()

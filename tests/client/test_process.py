@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from codemode.client import DEFAULT_HOST_COMMAND, ProcessOwnedCodeModeSessionProvider
-from codemode.client import v1 as client_v1
 from codemode.errors import CodeModeError, ConnectionClosed
 from codemode.protocol import (
     CellId,
@@ -161,12 +160,17 @@ async def test_killing_the_host_mid_cell_fails_every_pending_call_within_one_sec
 
 
 @pytest.mark.timeout(60)
-async def test_a_stopped_host_fails_pending_calls_at_their_deadline_and_is_killed(
-    provider: ProcessOwnedCodeModeSessionProvider, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_stopped_host_fails_pending_calls_at_their_deadline_and_is_killed() -> None:
     # A pipe carries no keepalive: a host that stops answering (here SIGSTOP) is noticed only by
     # the deadline of each request (60 s past its runtime allowance; here 0.5 s).
-    monkeypatch.setattr(client_v1, "TRANSPORT_ALLOWANCE", 0.5, raising=False)
+    provider = ProcessOwnedCodeModeSessionProvider(response_timeout=0.5)
+    try:
+        await stopped_host_fails_pending_calls(provider)
+    finally:
+        await provider.aclose()
+
+
+async def stopped_host_fails_pending_calls(provider: ProcessOwnedCodeModeSessionProvider) -> None:
     delegate = RecordingDelegate()
     session = await provider.create_session(delegate)
     observed = await session.execute(ExecuteRequest("c1", "while (true) {}", [], 500, None))

@@ -783,12 +783,9 @@ SILENT_ALLOWANCE = 0.2
 
 
 @pytest.mark.timeout(30)
-async def test_a_silent_host_fails_every_pending_call_at_the_first_deadline(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_a_silent_host_fails_every_pending_call_at_the_first_deadline() -> None:
     # The rule of grpc.md §13.3: 60 s (here 0.2 s) past the runtime allowance (yield + 1 s).
-    monkeypatch.setattr(client_v1, "TRANSPORT_ALLOWANCE", SILENT_ALLOWANCE, raising=False)
-    connection, host = await connected()
+    connection, host = await connected(response_timeout=SILENT_ALLOWANCE)
     session = await open_session(connection, host)
     execute = asyncio.create_task(session.execute(ExecuteRequest("c", "x", [], 0, None)))
     request = await expect_request(host, SessionExecute)
@@ -822,9 +819,8 @@ async def test_a_silent_host_fails_every_pending_call_at_the_first_deadline(
 async def test_terminate_and_shutdown_have_deadlines_too(
     monkeypatch: pytest.MonkeyPatch, operation: str, kind: type[Any], call: Any
 ) -> None:
-    monkeypatch.setattr(client_v1, "TRANSPORT_ALLOWANCE", SILENT_ALLOWANCE, raising=False)
     monkeypatch.setattr(client_v1, "SHUTDOWN_TIMEOUT", 0.1, raising=False)
-    connection, host = await connected()
+    connection, host = await connected(response_timeout=SILENT_ALLOWANCE)
     session = await open_session(connection, host)
     task = asyncio.create_task(call(session))
     await expect_request(host, kind)
@@ -835,9 +831,8 @@ async def test_terminate_and_shutdown_have_deadlines_too(
 
 
 @pytest.mark.timeout(30)
-async def test_answers_in_time_disarm_their_deadlines(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(client_v1, "TRANSPORT_ALLOWANCE", SILENT_ALLOWANCE, raising=False)
-    connection, host = await connected()
+async def test_answers_in_time_disarm_their_deadlines() -> None:
+    connection, host = await connected(response_timeout=SILENT_ALLOWANCE)
     session = await open_session(connection, host)
     cell, request_id = await started_cell(session, host)
     host.send(ExecuteInitialResponse(request_id, WireOk(ok_result("1"))))
@@ -851,9 +846,8 @@ async def test_answers_in_time_disarm_their_deadlines(monkeypatch: pytest.Monkey
 
 
 @pytest.mark.timeout(30)
-async def test_a_held_back_wait_gets_its_time_once_sent(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(client_v1, "TRANSPORT_ALLOWANCE", SILENT_ALLOWANCE, raising=False)
-    connection, host = await connected()
+async def test_a_held_back_wait_gets_its_time_once_sent() -> None:
+    connection, host = await connected(response_timeout=SILENT_ALLOWANCE)
     session = await open_session(connection, host)
     first = asyncio.create_task(session.wait(WaitRequest(CellId("1"), 2000)))
     first_id = (await expect_request(host, SessionWait)).id
@@ -869,13 +863,10 @@ async def test_a_held_back_wait_gets_its_time_once_sent(monkeypatch: pytest.Monk
 
 
 @pytest.mark.timeout(30)
-async def test_a_host_waiting_for_our_notification_to_be_delivered_is_not_silent(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_a_host_waiting_for_our_notification_to_be_delivered_is_not_silent() -> None:
     # Guards: a cell's yield waits until its notifications were delivered, so while the client's
     # own delegate still delivers one the host's silence is ours: the connection is not failed
     # with "host timed out" for it.
-    monkeypatch.setattr(client_v1, "TRANSPORT_ALLOWANCE", SILENT_ALLOWANCE, raising=False)
     release = asyncio.Event()
 
     class SlowToNotify(ScriptedDelegate):
@@ -884,7 +875,7 @@ async def test_a_host_waiting_for_our_notification_to_be_delivered_is_not_silent
         ) -> None:
             await release.wait()
 
-    connection, host = await connected()
+    connection, host = await connected(response_timeout=SILENT_ALLOWANCE)
     session = await open_session(connection, host, SlowToNotify())
     execute = asyncio.create_task(session.execute(ExecuteRequest("c", "x", [], 0, None)))
     request = await expect_request(host, SessionExecute)

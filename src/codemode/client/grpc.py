@@ -40,12 +40,16 @@ from codemode.errors import (
     WireConversionError,
 )
 from codemode.grpc_stubs import v1_pb2_grpc
-from codemode.protocol import constants as v1_constants
 from codemode.protocol.arguments import (
     check_cell_id,
     check_execute_request,
     check_limits,
     check_wait_request,
+)
+from codemode.protocol.deadlines import (
+    DEFAULT_RESPONSE_TIMEOUT,
+    checked_seconds,
+    observation_allowance,
 )
 from codemode.protocol.delegation import (
     CallbackFailed,
@@ -94,9 +98,6 @@ logger = logging.getLogger("codemode.client")
 T = TypeVar("T")
 Metadata = tuple[tuple[str, str], ...]
 
-#: §13.3 every rpc gets this much on top of its runtime allowance (the V1 client's rule too).
-TRANSPORT_ALLOWANCE: Final = v1_constants.TRANSPORT_ALLOWANCE
-
 #: §5 an execute without ``yield_time_ms`` observes for this long.
 DEFAULT_YIELD_TIME_MS: Final = 10_000
 #: §11 tool invocations + notifications admitted and not finished, per session.
@@ -122,6 +123,12 @@ UNAVAILABLE_GRACE: Final = 0.5
 _CHANNEL_OPTIONS: Final = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Pings only while a call is open: every session keeps its lease open, so a session is
+    # always watched; a channel with no call has nothing to watch, and hosts refuse such pings
+    # (grpc-core servers answer GOAWAY too_many_pings unless they permit them).
+    ("grpc.keepalive_permit_without_calls", 0),
+    # An idle lease carries no data for long: keep pinging it (grpc-core stops after 2).
+    ("grpc.http2.max_pings_without_data", 0),
 ]
 _RETRIED_ADMISSION: Final = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 #: §12.2 operations whose ``NOT_FOUND`` means the session is gone.
@@ -203,6 +210,23 @@ def _terminating(cell_id: str) -> str:
 _CELL_ERRORS: Final = (_observed, _terminating)
 
 
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def _keepalive_options(interval: float | None, timeout: float) -> list[tuple[str, int]]:
+    """The channel's keepalive: a ping every ``interval`` seconds, whose ack may take
+    ``timeout`` seconds before the connection, and every session on it, is given up."""
+    if interval is None:
+        return []
+    return [
+        ("grpc.keepalive_time_ms", _ms(interval)),
+        ("grpc.keepalive_timeout_ms", _ms(timeout)),
+        # What grpc-core (1.85) waits for a ping's ack is this one (default 60 s), as on the host.
+        ("grpc.http2.ping_timeout_ms", _ms(timeout)),
+    ]
+
+
 def _quiet(task: asyncio.Future[Any]) -> None:
     task.add_done_callback(lambda done: done.cancelled() or done.exception())
 
@@ -274,8 +298,10 @@ class _Binding:
         route: str | None,
         generation: int,
         auth: Metadata = (),
+        response_timeout: float = DEFAULT_RESPONSE_TIMEOUT,
     ) -> None:
         self._stub = stub
+        self._response_timeout = response_timeout
         self._delegate = delegate
         self.session_id = session_id
         self.generation = generation
@@ -434,10 +460,11 @@ class _Binding:
     async def _race(
         self, operation: str, awaitable: Awaitable[T], allowance: float, *, closing: bool = False
     ) -> T:
-        """Await an rpc against the session's end and the §13.3 deadline; map its status."""
+        """Await an rpc against the session's end and the §13.3 deadline (``response_timeout``
+        past ``allowance``); map its status."""
         task: asyncio.Future[T] = asyncio.ensure_future(awaitable)
         try:
-            async with asyncio.timeout(TRANSPORT_ALLOWANCE + allowance):
+            async with asyncio.timeout(self._response_timeout + allowance):
                 await asyncio.wait((task, self._stopped_future), return_when="FIRST_COMPLETED")
         except TimeoutError:
             task.cancel()
@@ -529,7 +556,7 @@ class _Binding:
                 self._maybe_release(record)
             raise
         yield_ms = DEFAULT_YIELD_TIME_MS if request.yield_time_ms is None else request.yield_time_ms
-        initial = self._initial(record, call, cell_id, yield_ms / 1000 + 1, yielding)
+        initial = self._initial(record, call, cell_id, observation_allowance(yield_ms), yielding)
         started = StartedCell.from_awaitable(
             CellId(self._public(cell_id)),
             initial,
@@ -684,7 +711,8 @@ class _Binding:
             call = self._stub.Wait(proto, metadata=self._metadata)
             yielding = self._yield_early(early_yield, wait_id=wait_id)
             try:
-                response = await self._race("wait", call, request.yield_time_ms / 1000 + 1)
+                allowance = observation_allowance(request.yield_time_ms)
+                response = await self._race("wait", call, allowance)
             except asyncio.CancelledError:
                 self._retire_wait(key, wait_id)
                 raise
@@ -1262,25 +1290,45 @@ class GrpcCodeModeSessionProvider(CodeModeSessionProvider):
     ``token``: sent as ``authorization: Bearer <token>`` metadata on every call. ``tls``: connect
     over TLS (the URL keeps its ``grpc://`` scheme), verifying the host against
     ``root_certificates`` (PEM bytes; giving them implies ``tls``) or the system's roots.
+
+    Every ``ping_interval`` seconds while sessions are open the channel pings the host; an ack
+    that takes longer than ``ping_timeout`` ends the connection and fails every session on it,
+    idle or busy (``ping_interval=None``: no pings). The host must permit the pings: ``codemode
+    host`` takes one every 10 s at most, more often it ends the connection (``too_many_pings``).
+    A call unanswered for ``response_timeout`` seconds (default 60) past its runtime allowance
+    fails its session (§13.3); ``open_timeout`` bounds opening a session (default:
+    ``response_timeout``).
     """
 
     def __init__(
         self,
         target: str,
         *,
-        open_timeout: float = TRANSPORT_ALLOWANCE,
+        open_timeout: float | None = None,
         token: str | None = None,
         tls: bool = False,
         root_certificates: bytes | None = None,
+        response_timeout: float = DEFAULT_RESPONSE_TIMEOUT,
+        ping_interval: float | None = 20.0,
+        ping_timeout: float = 20.0,
     ) -> None:
         if token is not None and (not token or any(c in token for c in "\r\n")):
             raise CodeModeError("the bearer token is empty or spans lines")
+        self.response_timeout = checked_seconds("response_timeout", response_timeout)
+        self._open_timeout = (
+            self.response_timeout
+            if open_timeout is None
+            else checked_seconds("open_timeout", open_timeout)
+        )
+        self._keepalive = _keepalive_options(
+            None if ping_interval is None else checked_seconds("ping_interval", ping_interval),
+            checked_seconds("ping_timeout", ping_timeout),
+        )
         self.target = target
         self._address = parse_endpoint(target)
         self._auth: Metadata = () if token is None else ((AUTHORIZATION_KEY, f"Bearer {token}"),)
         self._tls = tls or root_certificates is not None
         self._root_certificates = root_certificates
-        self._open_timeout = open_timeout
         self._channel: aio.Channel | None = None
         self._stub: Any = None
         # Weak: a session dropped without shutdown() shuts itself down (§13.6).
@@ -1292,7 +1340,7 @@ class GrpcCodeModeSessionProvider(CodeModeSessionProvider):
         if self._closed:
             raise CodeModeError("code-mode session provider is closed")
         if self._channel is None:
-            options: list[tuple[str, str | int]] = list(_CHANNEL_OPTIONS)
+            options: list[tuple[str, str | int]] = [*_CHANNEL_OPTIONS, *self._keepalive]
             if self._address.startswith("unix:"):
                 # grpc would send the socket path, percent-encoded, as :authority; some servers
                 # (upstream's, on hyper) reset such a stream.
@@ -1380,6 +1428,7 @@ class GrpcCodeModeSessionProvider(CodeModeSessionProvider):
             route=None if route is None else str(route),
             generation=generation,
             auth=self._auth,
+            response_timeout=self.response_timeout,
         )
         binding._start()
         return binding

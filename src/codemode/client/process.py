@@ -22,6 +22,7 @@ from codemode.client.provider import SharedConnectionProvider
 from codemode.client.v1 import RemoteSession, V1ClientConnection
 from codemode.errors import CodeModeError
 from codemode.protocol.constants import HANDSHAKE_TIMEOUT, SHUTDOWN_TIMEOUT
+from codemode.protocol.deadlines import DEFAULT_RESPONSE_TIMEOUT, checked_seconds
 from codemode.protocol.texts import host_spawn_failed
 from codemode.protocol.v1.revision import WireRevision
 from codemode.spawning import child_preexec
@@ -50,6 +51,7 @@ class HostProcess:
         stdin: asyncio.StreamWriter | None = None,
         *,
         wire_revision: WireRevision = WireRevision.PINNED,
+        response_timeout: float = DEFAULT_RESPONSE_TIMEOUT,
     ) -> None:
         self.process = process
         self.program = program
@@ -60,7 +62,10 @@ class HostProcess:
             stdin = process.stdin
         self._stdin = stdin
         self.connection = V1ClientConnection(
-            transport, exit_status=self._exit_status, wire_revision=wire_revision
+            transport,
+            exit_status=self._exit_status,
+            wire_revision=wire_revision,
+            response_timeout=response_timeout,
         )
         self.connection.add_death_callback(self._connection_died)
         self._stderr = asyncio.create_task(self._log_stderr(), name="codemode-host-stderr")
@@ -74,11 +79,12 @@ class HostProcess:
         env: Mapping[str, str] | None = None,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         wire_revision: WireRevision = WireRevision.PINNED,
+        response_timeout: float = DEFAULT_RESPONSE_TIMEOUT,
     ) -> HostProcess:
         """Start ``command`` and handshake; raise C1 (spawn) or C2-C5 (handshake).
 
         ``wire_revision`` is the shape the client accepts runtime responses in; the command must
-        start a host that writes that shape."""
+        start a host that writes that shape. ``response_timeout``: as on the provider."""
         program = command[0]
         loop = asyncio.get_running_loop()
         # Our own pipe ends, connected straight to the loop: data reaches the machine in the
@@ -114,7 +120,14 @@ class HostProcess:
         transport = await pipe_transport(
             os.fdopen(parent_in, "rb", 0), writer, pause_while_backlogged=False
         )
-        host = cls(process, program, transport, writer, wire_revision=wire_revision)
+        host = cls(
+            process,
+            program,
+            transport,
+            writer,
+            wire_revision=wire_revision,
+            response_timeout=response_timeout,
+        )
         try:
             await host.connection.handshake(timeout=handshake_timeout)
         except BaseException:
@@ -221,7 +234,9 @@ class ProcessOwnedCodeModeSessionProvider(SharedConnectionProvider[HostProcess])
     ``latest`` (upstream 0.164+, with timing fields); a host that writes the other shape fails at
     its first runtime response (``docs/decisions/0007-wire-revisions.md``). The process
     is spawned on first use (one spawn at a time) and reused while its connection lives; after
-    it died, the next ``create_session`` spawns a fresh one. Close with :meth:`aclose`.
+    it died, the next ``create_session`` spawns a fresh one. A pipe has no keepalive: a host that
+    stops answering is noticed when a request goes unanswered for ``response_timeout`` seconds
+    (default 60) past its runtime allowance; then it is killed. Close with :meth:`aclose`.
     """
 
     def __init__(
@@ -231,9 +246,11 @@ class ProcessOwnedCodeModeSessionProvider(SharedConnectionProvider[HostProcess])
         env: Mapping[str, str] | None = None,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         wire_revision: WireRevision | str = WireRevision.PINNED,
+        response_timeout: float = DEFAULT_RESPONSE_TIMEOUT,
     ) -> None:
         super().__init__()
         self.wire_revision = WireRevision(wire_revision)
+        self.response_timeout = checked_seconds("response_timeout", response_timeout)
         if command is None:
             command = list(DEFAULT_HOST_COMMAND)
             if self.wire_revision is not WireRevision.PINNED:
@@ -255,4 +272,5 @@ class ProcessOwnedCodeModeSessionProvider(SharedConnectionProvider[HostProcess])
             env=self._env,
             handshake_timeout=self._handshake_timeout,
             wire_revision=self.wire_revision,
+            response_timeout=self.response_timeout,
         )

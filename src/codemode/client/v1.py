@@ -28,7 +28,11 @@ from codemode.protocol.constants import (
     DEFAULT_EXEC_YIELD_TIME_MS,
     HANDSHAKE_TIMEOUT,
     SHUTDOWN_TIMEOUT,
-    TRANSPORT_ALLOWANCE,
+)
+from codemode.protocol.deadlines import (
+    DEFAULT_RESPONSE_TIMEOUT,
+    checked_seconds,
+    observation_allowance,
 )
 from codemode.protocol.delegation import CallbackResult
 from codemode.protocol.types import (
@@ -78,9 +82,10 @@ class V1ClientConnection:
     ``latest``: upstream 0.164+ with timing fields; decision 0007). Once the connection fails it
     stays dead: :meth:`is_alive` is false and every later operation raises
     :class:`~codemode.errors.ConnectionClosed` with the first recorded reason. A host that leaves
-    a request unanswered for 60 s past its runtime allowance (the yield time of an execute or a
-    wait, plus 1 s) is given up as silent: the connection fails with ``code-mode host timed out
-    waiting for OPERATION response`` (the rule of ``grpc.md`` §13.3).
+    a request unanswered for ``response_timeout`` seconds (default 60) past its runtime allowance
+    (the yield time of an execute or a wait, plus 1 s) is given up as silent: the connection fails
+    with ``code-mode host timed out waiting for OPERATION response`` (the rule of ``grpc.md``
+    §13.3).
     """
 
     def __init__(
@@ -90,8 +95,10 @@ class V1ClientConnection:
         dual: bool = False,
         exit_status: ExitStatus | None = None,
         wire_revision: WireRevision | str = WireRevision.PINNED,
+        response_timeout: float = DEFAULT_RESPONSE_TIMEOUT,
     ) -> None:
         self.wire_revision = WireRevision(wire_revision)
+        self._response_timeout = checked_seconds("response_timeout", response_timeout)
         self._protocol = ClientProtocol(dual_websocket=dual, wire_revision=self.wire_revision)
         self._transport = transport
         self._dual = dual
@@ -249,7 +256,8 @@ class V1ClientConnection:
         request_id = self._start(lambda: self._protocol.execute(session_id, request))
         yield_ms = request.yield_time_ms
         yield_ms = DEFAULT_EXEC_YIELD_TIME_MS if yield_ms is None else yield_ms
-        self._arm(request_id, "execution", yield_ms / 1000 + 1)  # until the initial response
+        # Until the initial response.
+        self._arm(request_id, "execution", observation_allowance(yield_ms))
         self._execute_contexts[request_id] = cell_context()
         # A cancellation racing a just-arrived execution/started makes the machine cancel on
         # the wire and terminate the admitted cell (§9.3).
@@ -266,7 +274,7 @@ class V1ClientConnection:
     async def _wait(self, session: RemoteSession, request: WaitRequest) -> WaitOutcome:
         session_id = session.session_id
         request_id = self._start(lambda: self._protocol.wait(session_id, request))
-        self._arm(request_id, "wait", request.yield_time_ms / 1000 + 1)
+        self._arm(request_id, "wait", observation_allowance(request.yield_time_ms))
         outcome: WaitOutcome = await self._answer(request_id)
         return outcome
 
@@ -302,9 +310,9 @@ class V1ClientConnection:
             raise
 
     def _arm(self, request_id: int, operation: str, allowance: float) -> None:
-        """Give the host ``TRANSPORT_ALLOWANCE + allowance`` seconds to answer ``request_id``."""
+        """Give the host ``response_timeout + allowance`` seconds to answer ``request_id``."""
         self._deadlines[request_id] = self._loop.call_later(
-            TRANSPORT_ALLOWANCE + allowance, self._overdue, request_id, operation, allowance
+            self._response_timeout + allowance, self._overdue, request_id, operation, allowance
         )
 
     def _disarm(self, request_id: int) -> None:
@@ -579,15 +587,21 @@ async def connect_v1(
     open_bulk: OpenBulk | None = None,
     exit_status: ExitStatus | None = None,
     wire_revision: WireRevision | str = WireRevision.PINNED,
+    response_timeout: float = DEFAULT_RESPONSE_TIMEOUT,
 ) -> V1ClientConnection:
     """Handshake over ``transport`` and start the reader; the entry point for every carrier.
 
     ``dual`` lists ``dual-websocket-v1`` in the hello; when the host grants it, ``open_bulk(token)``
     must open the bulk socket (C6 otherwise). ``wire_revision`` (``pinned`` or ``latest``) is the
     shape of runtime responses accepted from the host; the handshake is the same in both.
+    ``response_timeout`` is how long past its runtime allowance a request waits for its answer.
     """
     connection = V1ClientConnection(
-        transport, dual=dual, exit_status=exit_status, wire_revision=wire_revision
+        transport,
+        dual=dual,
+        exit_status=exit_status,
+        wire_revision=wire_revision,
+        response_timeout=response_timeout,
     )
     await connection.handshake(timeout=handshake_timeout, open_bulk=open_bulk)
     connection.start()

@@ -24,6 +24,7 @@ from codemode.protocol.constants import (
     MAX_WEBSOCKET_MESSAGE_BYTES,
     SHUTDOWN_TIMEOUT,
 )
+from codemode.protocol.deadlines import DEFAULT_RESPONSE_TIMEOUT, checked_seconds
 from codemode.protocol.texts import host_unreachable
 from codemode.protocol.v1.revision import WireRevision
 from codemode.protocol.v1.urls import bulk_url
@@ -68,11 +69,13 @@ async def connect_websocket(
     wire_revision: WireRevision | str = WireRevision.PINNED,
     ping_interval: float | None = 20.0,
     ping_timeout: float | None = 20.0,
+    response_timeout: float = DEFAULT_RESPONSE_TIMEOUT,
 ) -> V1ClientConnection:
     """Connect to the host at ``url`` (``ws://`` or ``wss://``) and handshake.
 
     ``token`` is sent as ``Authorization: Bearer`` on both sockets; ``ping_interval`` and
-    ``ping_timeout`` are each socket's keepalive (as on the provider). Raises
+    ``ping_timeout`` are each socket's keepalive, ``response_timeout`` each request's time past
+    its runtime allowance (as on the provider). Raises
     :class:`CodeModeError`: the host cannot be reached, or C2-C6.
     """
     settings: dict[str, Any] = {
@@ -93,6 +96,7 @@ async def connect_websocket(
         handshake_timeout=handshake_timeout,
         open_bulk=open_bulk if dual else None,
         wire_revision=wire_revision,
+        response_timeout=response_timeout,
     )
 
 
@@ -124,8 +128,10 @@ class WebSocketCodeModeSessionProvider(SharedConnectionProvider[WebSocketLink]):
     ``dual`` asks for the control + bulk pair (falling back to one socket when the host does not
     grant it); ``token`` is the host's bearer token. Every ``ping_interval`` seconds each socket
     pings the host; a pong that takes longer than ``ping_timeout`` ends the connection, failing
-    its pending calls (``None``: no pings, or no limit). The connection is made on first use and
-    replaced after it died. Close with :meth:`aclose`.
+    its pending calls (``None``: no pings, or no limit): a silent host is noticed, idle or busy.
+    A request unanswered for ``response_timeout`` seconds (default 60) past its runtime allowance
+    ends it too (a host whose socket answers pings while it hangs). The connection is made on
+    first use and replaced after it died. Close with :meth:`aclose`.
     """
 
     def __init__(
@@ -138,9 +144,11 @@ class WebSocketCodeModeSessionProvider(SharedConnectionProvider[WebSocketLink]):
         wire_revision: WireRevision | str = WireRevision.PINNED,
         ping_interval: float | None = 20.0,
         ping_timeout: float | None = 20.0,
+        response_timeout: float = DEFAULT_RESPONSE_TIMEOUT,
     ) -> None:
         super().__init__()
         self.url = url
+        self.response_timeout = checked_seconds("response_timeout", response_timeout)
         self.dual = dual
         self.wire_revision = WireRevision(wire_revision)
         self._token = token
@@ -157,5 +165,6 @@ class WebSocketCodeModeSessionProvider(SharedConnectionProvider[WebSocketLink]):
             wire_revision=self.wire_revision,
             ping_interval=self._ping_interval,
             ping_timeout=self._ping_timeout,
+            response_timeout=self.response_timeout,
         )
         return WebSocketLink(connection)

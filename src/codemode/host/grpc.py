@@ -109,7 +109,8 @@ class GrpcHostOptions:
     """Admission limits (``--max-active-cells``, ``--max-in-flight-requests``; ``max_sessions``,
     ``None`` for no bound: past it ``OpenSession`` ends ``RESOURCE_EXHAUSTED``), the bound of
     ``CloseSession`` (§4.1) and the server's HTTP/2 keepalive (seconds; a ``keepalive_time`` of 0
-    sends no pings)."""
+    sends no pings). A client may ping once every ``min_client_ping_interval`` seconds while it
+    sends nothing else (more often: GOAWAY ``too_many_pings``)."""
 
     max_active_cells: int = DEFAULT_MAX_ACTIVE_CELLS
     max_in_flight_requests: int = DEFAULT_MAX_IN_FLIGHT_REQUESTS
@@ -117,13 +118,17 @@ class GrpcHostOptions:
     max_sessions: int | None = None
     keepalive_time: float = DEFAULT_KEEPALIVE_TIME
     keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT
+    min_client_ping_interval: float = MIN_CLIENT_PING_INTERVAL
 
     def server_options(self) -> list[tuple[str, int]]:
         """The ``grpc.aio.server`` channel arguments: 64 MiB messages and the keepalive."""
         options = [
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", _ms(MIN_CLIENT_PING_INTERVAL)),
+            (
+                "grpc.http2.min_recv_ping_interval_without_data_ms",
+                _ms(self.min_client_ping_interval),
+            ),
         ]
         if self.keepalive_time > 0:
             options += [
