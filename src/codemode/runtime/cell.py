@@ -61,6 +61,15 @@ _DECODER: Final = msgspec.json.Decoder()
 #: ends with an error that keeps what it buffered. Small enough that the observation fits a V1
 #: frame in the common case; the prelude's own bound (64 Mi over a cell's life) is the engine's.
 MAX_BUFFERED_OUTPUT_CHARS: Final = 16 * 1024 * 1024
+#: The most output (characters, counted as a cell's) all the cells of one session together may
+#: have buffered for observers: running, terminating, or completed and not yet observed. A cell's
+#: own bound does not bound how many cells keep that much (a cell that yields and is never waited
+#: on keeps its buffer, a completion nobody observes keeps its items): 20 such cells of 16 Mi
+#: non-BMP characters (4 bytes each in Python) took this process from 27 MiB to 1.3 GiB (now
+#: 0.3 GiB). Four cells at their own limit (and what one cell may emit over its life): an agent
+#: that waits on its cells never comes near it, and a session holds at most 256 MiB of such text.
+#: An item that would pass it is not taken, so that many cells cannot each pass it by one item.
+MAX_SESSION_BUFFERED_OUTPUT_CHARS: Final = 64 * 1024 * 1024
 #: What each buffered item counts for besides its characters (bounds floods of empty items).
 ITEM_OVERHEAD_CHARS: Final = 64
 #: The most characters of tool inputs and notification texts a session may have handed to its
@@ -101,6 +110,23 @@ MAX_ERROR_TEXT_CHARS: Final = 16 * 1024 * 1024
 
 
 _FINISHING: set[asyncio.Task[None]] = set()
+
+
+def _session_output_too_large() -> str:
+    # Made when a cell ends on the bound, which is read then (tests lower it).
+    return (
+        "exec cell output exceeds the session limit of "
+        f"{MAX_SESSION_BUFFERED_OUTPUT_CHARS} characters waiting unread in all its cells"
+    )
+
+
+def _item_chars(item: ContentItem) -> int:
+    """What ``item`` counts against the bounds on buffered output."""
+    if isinstance(item, InputText):
+        return ITEM_OVERHEAD_CHARS + len(item.text)
+    if isinstance(item, InputImage):
+        return ITEM_OVERHEAD_CHARS + len(item.image_url)
+    return ITEM_OVERHEAD_CHARS + len(item.audio_url)
 
 
 def _json_values(text: str, room: int) -> int | None:
@@ -326,6 +352,7 @@ class Cell:
 
     def _drain(self) -> list[ContentItem]:
         items, self._items = self._items, []
+        self._session.buffered_output -= self._buffered  # the observation takes them: room again
         self._buffered = 0
         return items
 
@@ -346,7 +373,12 @@ class Cell:
         # The observer vanished after its outcome was set: its items go back to the front (a
         # completion stays buffered, since the cell only closes once an observer consumed it).
         if self._state is not _State.CLOSED:
-            self._items[:0] = response.content_items
+            items = response.content_items
+            self._items[:0] = items
+            # Buffered again, so counted again (the cell's own bound and the session's).
+            size = sum(map(_item_chars, items))
+            self._buffered += size
+            self._session.buffered_output += size
             if isinstance(response, Result):
                 self._handed_out = False
 
@@ -374,20 +406,26 @@ class Cell:
 
     def on_item(self, item: ContentItem) -> None:
         # An item the cell made before a termination stopped it is part of its `Terminated`
-        # (within the same bound: an engine that goes on sending cannot grow it further).
-        if self._state is not _State.RUNNING and (
+        # (within the same bounds: an engine that goes on sending cannot grow it further).
+        running = self._state is _State.RUNNING
+        if not running and (
             self._state is not _State.TERMINATING or self._buffered > MAX_BUFFERED_OUTPUT_CHARS
         ):
             return
+        size = _item_chars(item)
+        session = self._session
+        if session.buffered_output + size > MAX_SESSION_BUFFERED_OUTPUT_CHARS:
+            # The item is not taken (one kept per cell would let 128 cells pass the bound by 16
+            # Mi characters each): its cell ends as at its own bound, with what it had buffered;
+            # the other cells keep theirs (counted) until observed.
+            if running:
+                self._engine.terminate(self.key)
+                self._end(_session_output_too_large())
+            return
         self._items.append(item)
-        self._buffered += ITEM_OVERHEAD_CHARS
-        if isinstance(item, InputText):
-            self._buffered += len(item.text)
-        else:
-            self._buffered += len(
-                item.image_url if isinstance(item, InputImage) else item.audio_url
-            )
-        if self._buffered > MAX_BUFFERED_OUTPUT_CHARS and self._state is _State.RUNNING:
+        self._buffered += size
+        session.buffered_output += size
+        if running and self._buffered > MAX_BUFFERED_OUTPUT_CHARS:
             self._engine.terminate(self.key)
             self._end(
                 f"exec cell output exceeds the limit of {MAX_BUFFERED_OUTPUT_CHARS} characters"
@@ -629,6 +667,10 @@ class Cell:
         if self._state is _State.CLOSED:
             return
         self._state = _State.CLOSED
+        # Every path here drained the items already; whatever is left gives its room back too.
+        self._items = []
+        self._session.buffered_output -= self._buffered
+        self._buffered = 0
         self._closed_event.set()
         if cells_logger.isEnabledFor(logging.DEBUG):
             cells_logger.debug(

@@ -294,6 +294,7 @@ class LocalSession(CodeModeSession):
         self.pending_input_chars = 0  # characters of their inputs and texts (cell.py bounds it)
         self.pending_input_values = 0  # JSON values of their inputs (at most; cell.py bounds it)
         self.pending_input_containers = 0  # their arrays and objects (at most; cell.py bounds it)
+        self.buffered_output = 0  # characters its cells hold for observers (cell.py bounds it)
         self.delegate = delegate
         self.limits = limits or CodeModeSessionCellExecutionLimits()
         check_limits(self.limits)
