@@ -53,6 +53,7 @@ __all__ = [
     "current_cell",
     "run_in",
     "serve_callback",
+    "start_eagerly",
 ]
 
 # A delegate that answers without suspending is settled in the iteration that asked it (no
@@ -330,8 +331,17 @@ def serve_callback(
         # are the client's to answer). No task, no coroutine per call.
         call.add_done_callback(partial(_settle_future, settle, notification), context=context)
         return call
+    return start_eagerly(_serve(call, settle, notification), context)
+
+
+def start_eagerly(
+    coroutine: Coroutine[Any, Any, None], context: contextvars.Context | None = None
+) -> asyncio.Task[None] | None:
+    """Run ``coroutine``'s first step now, as the task that drives the rest (in a copy of the
+    current context unless ``context`` is given); ``None`` when it finished in that step (what
+    it raised, other than a cancellation, is the loop's to report, as for any task)."""
     loop = asyncio.get_running_loop()
-    coroutine = _serve(call, settle, notification)
+    context = contextvars.copy_context() if context is None else context
     if _EAGER_TASK_FACTORY is not None:
         task: asyncio.Task[None] = _EAGER_TASK_FACTORY(loop, coroutine, context=context)
         return None if task.done() else task

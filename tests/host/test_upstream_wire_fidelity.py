@@ -210,6 +210,20 @@ CASES: Final[dict[str, list[Step]]] = {
         ),
         pause(0.4),
     ],
+    # A wait with its outcome at once (a missing or closed cell) read with its cancel: the
+    # outcome answers it (the wait is served before the cancel is read), on both releases.
+    "a wait of a missing cell read with its cancel": [
+        *OPENED,
+        together(wait(2, "9", yield_ms=60_000), send({"type": "operation/cancel", "id": 2})),
+        pause(0.3),
+    ],
+    "a wait of a closed cell read with its cancel": [
+        *OPENED,
+        execute(2, 'text("x")'),
+        answered("cell/closed"),
+        together(wait(3, "1", yield_ms=60_000), send({"type": "operation/cancel", "id": 3})),
+        pause(0.3),
+    ],
     # What the pinned specification decides differently (DIFFERENCES).
     "limits null": [send(HELLO), pause(0.2), open_session(1, cellExecutionLimits=None)],
     "hello offering the capabilities of 0.171.0": [

@@ -677,6 +677,51 @@ async def test_cancelling_a_wait_answers_h1_and_the_cell_keeps_running(
         assert await client.receive() == CellClosed(S1, cell)
 
 
+def missing(cell: str) -> WireRuntimeResponse:
+    return WireRuntimeResponse(result=WireResultBody(cell, [], f"exec cell {cell} not found"))
+
+
+async def test_a_wait_with_its_outcome_at_once_is_answered_though_its_cancel_came_with_it(
+    provider: LocalSessionProvider,
+) -> None:
+    """A wait whose cell is missing or closed has its outcome without waiting: read together
+    with its cancel it is answered that outcome (as on the upstream host, both releases); a wait
+    that has to wait is cancelled (H1) and the cell's output stays for the next one."""
+    async with serving(provider) as served:
+        client = served.client
+        await client.handshake()
+        await client.open()
+        cell = await client.execute(2, "text('x')")
+        body = WireRuntimeResponse(result=WireResultBody(cell, [WireInputText("x")], None))
+        assert await client.receive() == ExecuteInitialResponse(2, WireOk(body))
+        assert await client.receive() == CellClosed(S1, cell)
+        client.send(
+            OperationRequest(3, SessionWait(S1, WireWaitRequest(cell, 60_000))),
+            OperationCancel(3),
+            OperationRequest(4, SessionWait(S1, WireWaitRequest("9", 60_000))),
+            OperationCancel(4),
+        )
+        assert [await client.receive() for _ in range(2)] == [
+            ok(3, WaitCompleted(WireWaitOutcome(missing_cell=missing(cell)))),
+            ok(4, WaitCompleted(WireWaitOutcome(missing_cell=missing("9")))),
+        ]
+        source = "text('a'); yield_control(); await new Promise((r) => setTimeout(r, 300));"
+        running = await client.execute(5, source + "text('b')")
+        first = WireRuntimeResponse(yielded=WireYielded(running, [WireInputText("a")]))
+        assert await client.receive() == ExecuteInitialResponse(5, WireOk(first))
+        client.send(
+            OperationRequest(6, SessionWait(S1, WireWaitRequest(running, 60_000))),
+            OperationCancel(6),
+        )
+        assert await client.receive() == OperationResponse(
+            6, WireError("code-mode request cancelled")
+        )
+        client.send(OperationRequest(7, SessionWait(S1, WireWaitRequest(running, 60_000))))
+        last = WireRuntimeResponse(result=WireResultBody(running, [WireInputText("b")], None))
+        assert await client.receive() == ok(7, WaitCompleted(WireWaitOutcome(live_cell=last)))
+        assert await client.receive() == CellClosed(S1, running)
+
+
 async def test_a_cancel_after_admission_is_ignored(provider: LocalSessionProvider) -> None:
     async with serving(provider) as served:
         client = served.client
@@ -977,9 +1022,11 @@ async def test_a_cancel_while_the_session_opens_takes_effect(
             OperationCancel(3),
         )
         h1 = WireError("code-mode request cancelled")
+        # The wait has its outcome at once (no cell "1" yet): that answers it, cancel or not,
+        # as on the upstream host (docs/interop.md).
         assert [await client.receive() for _ in range(3)] == [
             ok(1, SessionReady(S1)),
-            OperationResponse(2, h1),
+            ok(2, WaitCompleted(WireWaitOutcome(missing_cell=missing("1")))),
             OperationResponse(3, h1),
         ]
         # The cancelled execute was never admitted: no cell was created for it.

@@ -37,6 +37,7 @@ from codemode.session import (
     CodeModeSession,
     CodeModeSessionDelegate,
     CodeModeSessionProvider,
+    start_eagerly,
 )
 from codemode.transports.base import FrameTransport, TransportError
 from codemode.transports.pump import Pump
@@ -196,6 +197,31 @@ class _Settlement:
 
 class _OpenFailed(Exception):
     """The session a request was for never opened."""
+
+
+async def _at_once(call: Coroutine[Any, Any, T]) -> list[T]:
+    """``[value]`` when ``call`` finishes in its first step, run now (what it raises there is
+    raised); else ``[]``, once it was cancelled and has cleaned up (an observation it attached
+    is detached without losing anything)."""
+    settled: list[T] = []
+    failed: list[BaseException] = []
+
+    async def run() -> None:
+        try:
+            settled.append(await call)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:  # raised again below, in the caller
+            failed.append(error)
+
+    task = start_eagerly(run())
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    if failed:
+        raise failed[0]
+    return settled
 
 
 class V1HostConnection:
@@ -362,14 +388,30 @@ class V1HostConnection:
         self,
         request_id: int,
         session_id: str,
-        operation: Callable[[CodeModeSession], Awaitable[T]],
+        operation: Callable[[CodeModeSession], Coroutine[Any, Any, T]],
+        *,
+        settled_at_once: bool = False,
     ) -> T | None:
-        """Run an operation the client may cancel; ``None`` once its error answer was sent."""
+        """Run an operation the client may cancel; ``None`` once its error answer was sent.
+
+        With ``settled_at_once``, an operation cancelled before it started (its cancel was read
+        with it, or while its session was opening) still gives its outcome if it has one at once,
+        without waiting for anything: as on the upstream host, which serves a wait of a missing
+        cell before it reads the cancel that came with it."""
         session = await self._session(request_id, session_id)
         if session is None:
             return None
         protocol = self.protocol
-        if protocol.cancelled(request_id):  # cancelled while its session was opening
+        if protocol.cancelled(request_id):
+            if settled_at_once:
+                try:
+                    outcome = await _at_once(operation(session))
+                except CodeModeError as error:
+                    protocol.operation_failed(request_id, error.message)
+                    self.flush()
+                    return None
+                if outcome:
+                    return outcome[0]
             protocol.operation_cancelled(request_id)
             self.flush()
             return None
@@ -434,7 +476,10 @@ class V1HostConnection:
     async def _wait(self, event: ev.StartWait, admission: asyncio.Future[None] | None) -> None:
         await self._admitted(admission)
         outcome = await self._run_cancellable(
-            event.request_id, event.session_id, lambda session: session.wait(event.request)
+            event.request_id,
+            event.session_id,
+            lambda session: session.wait(event.request),
+            settled_at_once=True,
         )
         if outcome is not None:
             self.protocol.wait_completed(event.request_id, outcome)
