@@ -117,6 +117,30 @@ async def test_an_unobserved_completion_counts_until_observed(
     await crossing(session, 9)
 
 
+async def test_an_unobserved_error_text_counts_and_is_cut_to_the_room_left(
+    provider: LocalSessionProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An error text is held until observed as items are: many cells ending unobserved with
+    # 16 Mi-character errors passed the session's bound uncounted.
+    monkeypatch.setattr(cell_module, "MIN_ERROR_TEXT_ROOM", 100)
+    session = await provider.create_session(RecordingDelegate())
+    await buffering(session, 9)
+    cell_id, response = await start(
+        session, "yield_control(); throw 'e'.repeat(5000)", yield_ms=60_000
+    )
+    assert response == Yielded(cell_id, [])
+    room = BOUND - 9 * ITEM
+    async with asyncio.timeout(5):
+        while session.buffered_output < BOUND:
+            await asyncio.sleep(0.005)
+    note = "\n… (error text cut: 5000 characters in all)"
+    assert session.buffered_output == BOUND + len(note)
+    outcome = await observe(session, cell_id)
+    assert isinstance(outcome, Result)
+    assert outcome.error_text == "e" * room + note
+    assert session.buffered_output == 9 * ITEM  # observed: its room is back
+
+
 async def test_a_terminated_cell_gives_its_room_back(provider: LocalSessionProvider) -> None:
     session = await provider.create_session(RecordingDelegate())
     parked = await buffering(session, 8)

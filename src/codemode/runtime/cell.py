@@ -70,6 +70,8 @@ MAX_BUFFERED_OUTPUT_CHARS: Final = 16 * 1024 * 1024
 #: that waits on its cells never comes near it, and a session holds at most 256 MiB of such text.
 #: An item that would pass it is not taken, so that many cells cannot each pass it by one item.
 MAX_SESSION_BUFFERED_OUTPUT_CHARS: Final = 64 * 1024 * 1024
+#: What a cell's error text may keep however full the session's output is (it counts there too).
+MIN_ERROR_TEXT_ROOM: Final = 64 * 1024
 #: What each buffered item counts for besides its characters (bounds floods of empty items).
 ITEM_OVERHEAD_CHARS: Final = 64
 #: The most characters of tool inputs and notification texts a session may have handed to its
@@ -573,6 +575,18 @@ class Cell:
 
     # -- ends ------------------------------------------------------------------------------------
 
+    def _counted_error(self, error: str) -> str:
+        """``error``, held until observed, counted as buffered output: cut to the room the
+        session has left (never below :data:`MIN_ERROR_TEXT_ROOM`), or many cells ending
+        unobserved with long errors would pass the session's bound."""
+        session = self._session
+        room = max(MIN_ERROR_TEXT_ROOM, MAX_SESSION_BUFFERED_OUTPUT_CHARS - session.buffered_output)
+        if len(error) > room:
+            error = error[:room] + f"\n… (error text cut: {len(error)} characters in all)"
+        self._buffered += len(error)
+        session.buffered_output += len(error)
+        return error
+
     async def _finish(
         self, error: str | None, writes: list[tuple[str, msgspec.Raw]], natural: bool
     ) -> None:
@@ -590,7 +604,7 @@ class Cell:
                 return  # terminated while the writes were merged: discarded with the completion
             if refused is not None and error is None:
                 error = refused
-        self._error_text = error
+        self._error_text = None if error is None else self._counted_error(error)
         self._outcome = "completed" if error is None else "failed"
         self._state = _State.COMPLETED
         if self._watching() is not None:
