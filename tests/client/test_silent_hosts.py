@@ -253,3 +253,14 @@ def test_grpc_keepalive_settings_are_validated(option: str, value: float) -> Non
     options: dict[str, Any] = {option: value}
     with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
         GrpcCodeModeSessionProvider("grpc://127.0.0.1:1", **options)
+
+
+@pytest.mark.parametrize("option", ["ping_interval", "ping_timeout"])
+@pytest.mark.parametrize("value", [0, -1.0, math.nan, math.inf, "5"])
+def test_websocket_keepalive_settings_are_validated(option: str, value: object) -> None:
+    # They went to websockets unchecked, which failed at the first connection (or never pinged).
+    expected = f"{option} must be a positive finite number of seconds, not {value!r}"
+    options: dict[str, Any] = {option: value}
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        WebSocketCodeModeSessionProvider("ws://127.0.0.1:1", **options)
+    assert WebSocketCodeModeSessionProvider("ws://127.0.0.1:1", **{option: None})

@@ -122,6 +122,10 @@ class WebSocketLink:
         await self.connection.aclose()
 
 
+def _optional_seconds(name: str, value: float | None) -> float | None:
+    return None if value is None else checked_seconds(name, value)
+
+
 class WebSocketCodeModeSessionProvider(SharedConnectionProvider[WebSocketLink]):
     """Creates :class:`RemoteSession` objects on one shared WebSocket connection to ``url``.
 
@@ -153,8 +157,9 @@ class WebSocketCodeModeSessionProvider(SharedConnectionProvider[WebSocketLink]):
         self.wire_revision = WireRevision(wire_revision)
         self._token = token
         self._handshake_timeout = handshake_timeout
-        self._ping_interval = ping_interval
-        self._ping_timeout = ping_timeout
+        # Checked here, not at the first connection, where a bad value failed inside websockets.
+        self._ping_interval = _optional_seconds("ping_interval", ping_interval)
+        self._ping_timeout = _optional_seconds("ping_timeout", ping_timeout)
 
     async def _connect(self) -> WebSocketLink:
         connection = await connect_websocket(
