@@ -263,4 +263,5 @@ def test_websocket_keepalive_settings_are_validated(option: str, value: object) 
     options: dict[str, Any] = {option: value}
     with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
         WebSocketCodeModeSessionProvider("ws://127.0.0.1:1", **options)
-    assert WebSocketCodeModeSessionProvider("ws://127.0.0.1:1", **{option: None})
+    off: dict[str, Any] = {option: None}
+    assert WebSocketCodeModeSessionProvider("ws://127.0.0.1:1", **off)
