@@ -224,6 +224,15 @@ CASES: Final[dict[str, list[Step]]] = {
         together(wait(3, "1", yield_ms=60_000), send({"type": "operation/cancel", "id": 3})),
         pause(0.3),
     ],
+    # So is a wait of a cell that completed unobserved: its buffered result answers it.
+    "a wait of a completed, unobserved cell read with its cancel": [
+        *OPENED,
+        execute(2, 'text("a"); yield_control(); text("b")', yield_ms=0),
+        answered(),
+        pause(0.4),
+        together(wait(3, "1", yield_ms=60_000), send({"type": "operation/cancel", "id": 3})),
+        pause(0.3),
+    ],
     # What the pinned specification decides differently (DIFFERENCES).
     "limits null": [send(HELLO), pause(0.2), open_session(1, cellExecutionLimits=None)],
     "hello offering the capabilities of 0.171.0": [

@@ -684,9 +684,10 @@ def missing(cell: str) -> WireRuntimeResponse:
 async def test_a_wait_with_its_outcome_at_once_is_answered_though_its_cancel_came_with_it(
     provider: LocalSessionProvider,
 ) -> None:
-    """A wait whose cell is missing or closed has its outcome without waiting: read together
-    with its cancel it is answered that outcome (as on the upstream host, both releases); a wait
-    that has to wait is cancelled (H1) and the cell's output stays for the next one."""
+    """A wait whose cell is missing, closed or completed unobserved has its outcome without
+    waiting: read together with its cancel it is answered that outcome (as on the upstream host,
+    both releases); a wait that has to wait is cancelled (H1) and the cell's output stays for the
+    next one."""
     async with serving(provider) as served:
         client = served.client
         await client.handshake()
@@ -705,6 +706,18 @@ async def test_a_wait_with_its_outcome_at_once_is_answered_though_its_cancel_cam
             ok(3, WaitCompleted(WireWaitOutcome(missing_cell=missing(cell)))),
             ok(4, WaitCompleted(WireWaitOutcome(missing_cell=missing("9")))),
         ]
+        done = await client.execute(8, "text('a'); yield_control(); text('b')", yield_ms=0)
+        nothing = WireRuntimeResponse(yielded=WireYielded(done, []))
+        assert await client.receive() == ExecuteInitialResponse(8, WireOk(nothing))
+        await asyncio.sleep(0.3)  # the cell completes; its result waits for an observer
+        client.send(
+            OperationRequest(9, SessionWait(S1, WireWaitRequest(done, 60_000))),
+            OperationCancel(9),
+        )
+        both = [WireInputText("a"), WireInputText("b")]
+        buffered = WireRuntimeResponse(result=WireResultBody(done, list(both), None))
+        assert await client.receive() == ok(9, WaitCompleted(WireWaitOutcome(live_cell=buffered)))
+        assert await client.receive() == CellClosed(S1, done)
         source = "text('a'); yield_control(); await new Promise((r) => setTimeout(r, 300));"
         running = await client.execute(5, source + "text('b')")
         first = WireRuntimeResponse(yielded=WireYielded(running, [WireInputText("a")]))

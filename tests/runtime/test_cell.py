@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from codemode.protocol import CellId, ExecuteRequest, Result
 from codemode.runtime import LocalSessionProvider
-from codemode.runtime.cell import _json_values
+from codemode.runtime.cell import _json_counts
 from codemode.session import NoopCodeModeSessionDelegate
 
 
@@ -49,19 +49,31 @@ def _values(value: object) -> int:
     return 1
 
 
+def _containers(value: object) -> int:
+    if isinstance(value, dict):
+        return 1 + sum(_containers(item) for item in value.values())
+    if isinstance(value, list):
+        return 1 + sum(_containers(item) for item in value)
+    return 0
+
+
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
     lambda inner: st.lists(inner) | st.dictionaries(st.text(), inner),
     max_leaves=40,
 )
+_ANY: int = 1 << 30
 
 
 @given(_JSON, st.booleans())
 def test_the_values_of_a_tool_input_are_never_undercounted(value: object, compact: bool) -> None:
     text = json.dumps(value, separators=(",", ":") if compact else None)
-    actual = _values(value)
-    assert (_json_values(text, 1 << 30) or 0) >= actual
+    actual, containers = _values(value), _containers(value)
+    assert _json_counts(text, _ANY, _ANY)[0] >= actual
+    assert _json_counts(text, _ANY, _ANY)[1] >= containers
     # Past the separators' count, strings are taken out: then only an empty container counts
-    # one value too many.
-    assert _json_values(text, actual - 1) is None
-    assert _json_values(text, 2 * actual) is not None
+    # one value too many, and containers are exact.
+    assert _json_counts(text, actual - 1, _ANY)[0] > actual - 1
+    assert _json_counts(text, 2 * actual, _ANY)[0] <= 2 * actual
+    assert _json_counts(text, _ANY, containers - 1) == _json_counts(text, _ANY, -1)
+    assert _json_counts(text, _ANY, -1)[1] == containers
