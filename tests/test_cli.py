@@ -306,6 +306,16 @@ def test_host_other_listen_addresses_are_usage_errors() -> None:
     assert b"--stdio or --listen ADDRESS is required" in missing.stderr
 
 
+def test_host_durations_are_finite_seconds_from_zero() -> None:
+    flags = ("--ping-interval", "--ping-timeout", "--shutdown-grace", "--min-client-ping-interval")
+    for flag in flags:
+        for value in ("nan", "inf", "-1", "soon"):
+            done = codemode("host", "--listen", "ws://127.0.0.1:0", flag, value)
+            assert done.returncode == 2, (flag, value)
+            assert done.stdout == b""
+            assert f"argument {flag}: expected a number of seconds".encode() in done.stderr
+
+
 def test_host_refuses_a_public_address_without_a_token() -> None:
     done = codemode("host", "--listen", "ws://0.0.0.0:0")
     assert done.returncode == 2

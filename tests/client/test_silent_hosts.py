@@ -68,7 +68,10 @@ async def host_process(*command: str) -> AsyncIterator[tuple[int, str]]:
 
 def our_grpc_host() -> contextlib.AbstractAsyncContextManager[tuple[int, str]]:
     """``codemode host --listen grpc://`` that permits a client ping every 0.5 s."""
-    return host_process(sys.executable, "-m", "tests.client.grpc_host", "0.5")
+    return host_process(
+        *(sys.executable, "-m", "codemode", "host", "--listen", "grpc://127.0.0.1:0"),
+        *("--min-client-ping-interval", "0.5"),
+    )
 
 
 async def until_dead(session: CodeModeSession) -> float:

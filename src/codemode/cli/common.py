@@ -81,6 +81,17 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def non_negative_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds from 0 up, got {text!r}")
+    return value
+
+
 def wire_revision_argument(
     parser: argparse.ArgumentParser, what: str, *, auto: bool = False
 ) -> None:

@@ -17,6 +17,7 @@ from codemode.cli.common import (
     local_provider,
     loop_argument,
     non_negative,
+    non_negative_seconds,
     positive,
     run_main,
     wire_revision_argument,
@@ -26,6 +27,7 @@ from codemode.host.address import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_PING_INTERVAL,
     DEFAULT_PING_TIMEOUT,
+    MIN_CLIENT_PING_INTERVAL,
     WebSocketAddress,
     is_loopback,
 )
@@ -245,6 +247,7 @@ def _grpc_options(args: argparse.Namespace) -> GrpcHostOptions:
         keepalive_time=args.ping_interval,
         # gRPC has no "never": a timeout of 0 keeps the default.
         keepalive_timeout=args.ping_timeout or DEFAULT_KEEPALIVE_TIMEOUT,
+        min_client_ping_interval=args.min_client_ping_interval,
     )
 
 
@@ -366,18 +369,26 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     host.add_argument(
         "--ping-interval",
-        type=float,
+        type=non_negative_seconds,
         default=DEFAULT_PING_INTERVAL,
         metavar="SECONDS",
         help="WebSocket and gRPC: keepalive ping period (0: none)",
     )
     host.add_argument(
         "--ping-timeout",
-        type=float,
+        type=non_negative_seconds,
         default=DEFAULT_PING_TIMEOUT,
         metavar="SECONDS",
         help="WebSocket and gRPC: a connection whose pong takes longer ends, with its sessions "
         "(0: never; gRPC keeps its default then)",
+    )
+    host.add_argument(
+        "--min-client-ping-interval",
+        type=non_negative_seconds,
+        default=MIN_CLIENT_PING_INTERVAL,
+        metavar="SECONDS",
+        help="gRPC: how often a client may send its own keepalive pings while it sends nothing "
+        "else (more often ends its connection with GOAWAY too_many_pings; 0: any rate)",
     )
     host.add_argument(
         "--max-engines",
@@ -397,7 +408,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     host.add_argument(
         "--shutdown-grace",
-        type=float,
+        type=non_negative_seconds,
         default=30.0,
         metavar="SECONDS",
         help="ws and grpc: on SIGTERM, how long running cells may go on before they are stopped",
@@ -407,9 +418,14 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=positive,
         default=DEFAULT_MAX_IN_FLIGHT_REQUESTS,
         metavar="N",
+        help="requests a connection may have unanswered at once (more are refused)",
     )
     host.add_argument(
-        "--max-active-cells", type=positive, default=DEFAULT_MAX_ACTIVE_CELLS, metavar="N"
+        "--max-active-cells",
+        type=positive,
+        default=DEFAULT_MAX_ACTIVE_CELLS,
+        metavar="N",
+        help="cells a connection may have admitted and not yet closed (more are refused)",
     )
     host.add_argument(
         "--no-store-load", action="store_true", help="cells get no store/load globals"

@@ -13,6 +13,7 @@ __all__ = [
     "DEFAULT_MAX_CONNECTIONS",
     "DEFAULT_PING_INTERVAL",
     "DEFAULT_PING_TIMEOUT",
+    "MIN_CLIENT_PING_INTERVAL",
     "WebSocketAddress",
     "bracketed",
     "is_loopback",
@@ -48,6 +49,9 @@ DEFAULT_MAX_CONNECTIONS: Final = 64
 #: its sessions) end: a half-open TCP connection is noticed within their sum.
 DEFAULT_PING_INTERVAL: Final = 20.0
 DEFAULT_PING_TIMEOUT: Final = 20.0
+#: gRPC: clients may send their own keepalive pings this often while they send nothing else (more
+#: often: GOAWAY ``too_many_pings``).
+MIN_CLIENT_PING_INTERVAL: Final = 10.0
 
 
 @dataclass(frozen=True, slots=True)

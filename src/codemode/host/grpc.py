@@ -50,7 +50,7 @@ from grpc import aio
 
 from codemode.errors import CodeModeError, EngineLimitError, WireConversionError
 from codemode.grpc_stubs import v1_pb2_grpc
-from codemode.host.address import bracketed, split_listen_url
+from codemode.host.address import MIN_CLIENT_PING_INTERVAL, bracketed, split_listen_url
 from codemode.host.auth import bearer_token_matches
 from codemode.protocol import strict_json
 from codemode.protocol.constants import (
@@ -100,8 +100,6 @@ REMEMBERED_IDS: Final = 4096
 #: may take before the connection ends (with every session whose lease it carried).
 DEFAULT_KEEPALIVE_TIME: Final = 20.0
 DEFAULT_KEEPALIVE_TIMEOUT: Final = 20.0
-#: Clients may send their own keepalive pings this often (more often: GOAWAY ``too_many_pings``).
-MIN_CLIENT_PING_INTERVAL: Final = 10.0
 
 
 @dataclass(frozen=True, slots=True)
