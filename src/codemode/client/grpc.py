@@ -46,11 +46,7 @@ from codemode.protocol.arguments import (
     check_limits,
     check_wait_request,
 )
-from codemode.protocol.deadlines import (
-    DEFAULT_RESPONSE_TIMEOUT,
-    checked_seconds,
-    observation_allowance,
-)
+from codemode.protocol.deadlines import DEFAULT_RESPONSE_TIMEOUT, observation_allowance
 from codemode.protocol.delegation import (
     CallbackFailed,
     CallbackResult,
@@ -65,6 +61,7 @@ from codemode.protocol.grpc.identifiers import (
     check_invocation_id,
     check_notification_id,
 )
+from codemode.protocol.options import checked_seconds
 from codemode.protocol.texts import SESSION_SHUTTING_DOWN, TOO_MANY_CALLBACKS
 from codemode.protocol.types import (
     CellId,

@@ -22,7 +22,8 @@ from codemode.client.provider import SharedConnectionProvider
 from codemode.client.v1 import RemoteSession, V1ClientConnection
 from codemode.errors import CodeModeError
 from codemode.protocol.constants import HANDSHAKE_TIMEOUT, SHUTDOWN_TIMEOUT
-from codemode.protocol.deadlines import DEFAULT_RESPONSE_TIMEOUT, checked_seconds
+from codemode.protocol.deadlines import DEFAULT_RESPONSE_TIMEOUT
+from codemode.protocol.options import checked_seconds
 from codemode.protocol.texts import host_spawn_failed
 from codemode.protocol.v1.revision import WireRevision
 from codemode.spawning import child_preexec

@@ -29,12 +29,9 @@ from codemode.protocol.constants import (
     HANDSHAKE_TIMEOUT,
     SHUTDOWN_TIMEOUT,
 )
-from codemode.protocol.deadlines import (
-    DEFAULT_RESPONSE_TIMEOUT,
-    checked_seconds,
-    observation_allowance,
-)
+from codemode.protocol.deadlines import DEFAULT_RESPONSE_TIMEOUT, observation_allowance
 from codemode.protocol.delegation import CallbackResult
+from codemode.protocol.options import checked_seconds
 from codemode.protocol.types import (
     CellId,
     CodeModeSessionCellExecutionLimits,

@@ -24,7 +24,8 @@ from codemode.protocol.constants import (
     MAX_WEBSOCKET_MESSAGE_BYTES,
     SHUTDOWN_TIMEOUT,
 )
-from codemode.protocol.deadlines import DEFAULT_RESPONSE_TIMEOUT, checked_seconds
+from codemode.protocol.deadlines import DEFAULT_RESPONSE_TIMEOUT
+from codemode.protocol.options import checked_seconds
 from codemode.protocol.texts import host_unreachable
 from codemode.protocol.v1.revision import WireRevision
 from codemode.protocol.v1.urls import bulk_url

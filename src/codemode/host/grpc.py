@@ -68,6 +68,7 @@ from codemode.protocol.grpc.constants import (
     SERVICE_PATH_PREFIX,
 )
 from codemode.protocol.grpc.identifiers import check_request_identifier
+from codemode.protocol.options import checked_count, checked_seconds
 from codemode.protocol.texts import (
     PROVIDER_DOES_NOT_SUPPORT_LIMITS,
     SESSION_SHUTTING_DOWN,
@@ -117,6 +118,16 @@ class GrpcHostOptions:
     keepalive_time: float = DEFAULT_KEEPALIVE_TIME
     keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT
     min_client_ping_interval: float = MIN_CLIENT_PING_INTERVAL
+
+    def __post_init__(self) -> None:
+        checked_count("max_active_cells", self.max_active_cells)
+        checked_count("max_in_flight_requests", self.max_in_flight_requests)
+        checked_seconds("session_shutdown_timeout", self.session_shutdown_timeout, zero=True)
+        if self.max_sessions is not None:
+            checked_count("max_sessions", self.max_sessions)
+        checked_seconds("keepalive_time", self.keepalive_time, zero=True)
+        checked_seconds("keepalive_timeout", self.keepalive_timeout)
+        checked_seconds("min_client_ping_interval", self.min_client_ping_interval, zero=True)
 
     def server_options(self) -> list[tuple[str, int]]:
         """The ``grpc.aio.server`` channel arguments: 64 MiB messages and the keepalive."""

@@ -28,6 +28,7 @@ from codemode.protocol.constants import (
     SHUTDOWN_TIMEOUT,
 )
 from codemode.protocol.delegation import CallbackFailed, CallbackResult, ToolReturned
+from codemode.protocol.options import checked_count
 from codemode.protocol.types import JSON, CellId, CodeModeNestedToolCall
 from codemode.protocol.v1 import events as ev
 from codemode.protocol.v1.host import HostProtocol
@@ -60,6 +61,10 @@ class HostOptions:
     max_active_cells: int = DEFAULT_MAX_ACTIVE_CELLS
     capabilities: frozenset[str] = frozenset({SESSION_RESOURCE_LIMITS_CAPABILITY})
     wire_revision: WireRevision | Literal["auto"] = WireRevision.PINNED
+
+    def __post_init__(self) -> None:
+        checked_count("max_in_flight_requests", self.max_in_flight_requests)
+        checked_count("max_active_cells", self.max_active_cells)
 
     def protocol(self) -> HostProtocol:
         """A fresh host machine with these options."""

@@ -34,6 +34,7 @@ from codemode.host.address import (
 from codemode.host.auth import bearer_token_matches
 from codemode.host.v1 import HostOptions, V1HostConnection
 from codemode.protocol.constants import DUAL_WEBSOCKET_CAPABILITY, MAX_WEBSOCKET_MESSAGE_BYTES
+from codemode.protocol.options import checked_count, checked_seconds
 from codemode.session import CodeModeSessionProvider
 from codemode.transports.base import TransportError
 from codemode.transports.websocket import (
@@ -89,9 +90,13 @@ class WebSocketHost:
         self._provider = provider
         self._address = address
         self._token = None if token is None else token.encode()
-        self._max_connections = max_connections
-        self._ping_interval = ping_interval
-        self._ping_timeout = ping_timeout
+        self._max_connections = checked_count("max_connections", max_connections)
+        self._ping_interval = (
+            None if ping_interval is None else checked_seconds("ping_interval", ping_interval)
+        )
+        self._ping_timeout = (
+            None if ping_timeout is None else checked_seconds("ping_timeout", ping_timeout)
+        )
         self._bulk_prefix = address.path.rstrip("/") + "/bulk/"
         self._server: Server | None = None
         self._port = address.port

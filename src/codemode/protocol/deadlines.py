@@ -7,12 +7,11 @@ the user changes it) past its runtime allowance; a host that lets it pass is giv
 
 from __future__ import annotations
 
-import math
 from typing import Final
 
 from codemode.protocol.constants import TRANSPORT_ALLOWANCE
 
-__all__ = ["DEFAULT_RESPONSE_TIMEOUT", "checked_seconds", "observation_allowance"]
+__all__ = ["DEFAULT_RESPONSE_TIMEOUT", "observation_allowance"]
 
 #: The default ``response_timeout`` of every remote provider.
 DEFAULT_RESPONSE_TIMEOUT: Final = TRANSPORT_ALLOWANCE
@@ -22,16 +21,3 @@ def observation_allowance(yield_time_ms: int) -> float:
     """The runtime allowance of an execute (until its initial response) or a wait that observes
     for ``yield_time_ms``: that time plus 1 s."""
     return yield_time_ms / 1000 + 1
-
-
-def checked_seconds(name: str, value: float) -> float:
-    """``value`` if it is a positive finite number of seconds, else :class:`ValueError` naming
-    the option ``name``."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ValueError(f"{name} must be a positive finite number of seconds, not {value!r}")
-    return float(value)

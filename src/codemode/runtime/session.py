@@ -29,6 +29,7 @@ from codemode.protocol.arguments import (
 )
 from codemode.protocol.constants import DEFAULT_EXEC_YIELD_TIME_MS
 from codemode.protocol.identifiers import normalize_identifier
+from codemode.protocol.options import checked_count, checked_seconds
 from codemode.protocol.texts import SESSION_SHUTTING_DOWN
 from codemode.protocol.types import (
     CellId,
@@ -627,9 +628,15 @@ class LocalSessionProvider(CodeModeSessionProvider):
         engine: NodeEngine | None = None,
         max_engines: int | None = DEFAULT_MAX_ENGINES,
     ) -> None:
+        checked_count("warm_engines", warm_engines, minimum=0)
+        checked_count("memory_cap_bytes", memory_cap_bytes)
+        if max_engines is not None:
+            checked_count("max_engines", max_engines)
         self.store_load = store_load
         self.console = console
-        self.idle_engine_timeout = idle_engine_timeout
+        self.idle_engine_timeout = checked_seconds(
+            "idle_engine_timeout", idle_engine_timeout, zero=True
+        )
         self.pool = EnginePool(
             size=warm_engines,
             memory_cap_bytes=memory_cap_bytes,
