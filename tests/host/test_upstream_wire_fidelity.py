@@ -5,7 +5,8 @@ Each case is a script of raw V1 frames (with pauses) written to a fresh host pro
 skips without it) — in the wire revision of that release. What each host writes back, decoded and
 with the timing fields of the ``latest`` revision masked, must be the same, frame for frame and in
 order, and so must the exit status; except for the cases in ``DIFFERENCES``, where the pinned
-specification chose otherwise on purpose (each reason also in ``docs/interop.md``).
+specification chose otherwise on purpose (each reason also in ``docs/interop.md``). A case that
+differs is run again (``ATTEMPTS`` in all): a difference is one that every attempt shows.
 """
 
 from __future__ import annotations
@@ -337,6 +338,10 @@ RELEASE_DIFFERENCES: Final[dict[str, dict[str, str]]] = {
 CONCURRENT_CASES: Final = 3
 #: After a script, how long a host has to answer before its stdin is closed.
 LINGER: Final = 0.3
+#: A case whose frames differ is run again, up to this many times in all, before it counts as a
+#: difference: its pauses are what orders the hosts' answers, and on a loaded machine a pause can
+#: be too short for either host (upstream too answers some races either way then).
+ATTEMPTS: Final = 3
 
 
 @pytest.mark.timeout(240)
@@ -357,7 +362,14 @@ async def test_hosts_answer_the_same_frames(version: str) -> None:
             )
             return mine, theirs
 
-    answers = await asyncio.gather(*(both(script) for script in CASES.values()))
+    async def settled(name: str) -> tuple[raw.Exchange, raw.Exchange]:
+        for _ in range(1 if name in expected else ATTEMPTS):
+            mine, theirs = await both(CASES[name])
+            if mine == theirs:
+                break
+        return mine, theirs
+
+    answers = await asyncio.gather(*(settled(name) for name in CASES))
     unexpected = []
     for name, (mine, theirs) in zip(CASES, answers, strict=True):
         if name in expected:
