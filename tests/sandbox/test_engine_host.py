@@ -180,3 +180,28 @@ async def test_requests_of_unknown_kinds_or_odd_arguments_are_ignored(
     )
     assert texts(response) == ["function", "after"]
     assert delegate.notifications == []
+
+
+async def test_a_call_id_already_pending_is_not_served_twice(
+    session: tuple[LocalSession, RecordingDelegate],
+) -> None:
+    # Guards: Python serves a call id only once while it is pending in its cell (cell.py). The
+    # prelude makes each id anew, host.js forwards any id: a second call under a pending id
+    # replaced the first in the cell's table, so the first was never cancelled when its cell
+    # ended (a tool waiting for that ran on, holding one of the session's callback slots, until
+    # it returned by itself).
+    live, delegate = session
+    response = await run_forged(
+        live,
+        """
+        __host(1, 'dup', 3, '{}');
+        __host(1, 'dup', 3, '{}');
+        __host(1, 'dup', 3, '{}');
+        await new Promise((resolve) => setTimeout(resolve, 200));
+        text('after');
+        """,
+    )
+    assert texts(response) == ["function", "after"]
+    assert [call.runtime_tool_call_id for call in delegate.calls] == ["dup"]
+    assert delegate.cancelled == ["dup"]
+    assert live.pending_calls == 0

@@ -443,6 +443,11 @@ class Cell:
     def on_call(self, call_id: str, tool: int, input_json: str | None) -> None:
         if self._state is not _State.RUNNING:
             return
+        if call_id in self._calls:
+            # Only a subverted prelude repeats a pending id (it makes each anew). Served again,
+            # the second would take the first's place here, and the first would never be
+            # cancelled when the cell ends (nor its session's slot given back).
+            return
         if not 0 <= tool < len(self._tools):
             self._engine.send_result(self.key, call_id, False, "unknown tool")
             return
