@@ -339,7 +339,7 @@ class Cell:
     def on_done(
         self,
         error: str | None,
-        writes: list[tuple[str, msgspec.Raw]],
+        writes: list[tuple[str, str]],
         call: tuple[int, int, int] | None,
     ) -> None:
         self.ended_at = time.perf_counter()

@@ -45,8 +45,6 @@ from functools import partial
 from pathlib import Path
 from typing import Final
 
-import msgspec
-
 from benchmarks.common import (
     loop_source,
     only_text,
@@ -188,7 +186,7 @@ class Sink:
     def on_done(
         self,
         error: str | None,
-        writes: list[tuple[str, msgspec.Raw]],
+        writes: list[tuple[str, str]],
         call: tuple[int, int, int] | None,
     ) -> None:
         """The cell completed (``error`` is None on success)."""

@@ -12,7 +12,6 @@ import json
 import os
 from typing import Any
 
-import msgspec
 import pytest
 
 from codemode.protocol import (
@@ -53,7 +52,7 @@ class Events:
     def on_done(
         self,
         error: str | None,
-        writes: list[tuple[str, msgspec.Raw]],
+        writes: list[tuple[str, str]],
         call: tuple[int, int, int] | None,
     ) -> None:
         self.seen.append(("done", (error, writes, call)))
@@ -222,8 +221,8 @@ async def test_writes_repeating_a_key_are_counted_once(monkeypatch: pytest.Monke
     # again and again took its old size off each time, and the store outgrew its limit.
     monkeypatch.setattr(session_module, "MAX_STORE_CHARS", 1000)
 
-    def raw(*writes: tuple[str, str]) -> list[tuple[str, msgspec.Raw]]:
-        return [(key, msgspec.Raw(text.encode())) for key, text in writes]
+    def raw(*writes: tuple[str, str]) -> list[tuple[str, str]]:
+        return list(writes)
 
     async with LocalSessionProvider() as provider:
         session = await provider.create_session(RecordingDelegate())
@@ -248,7 +247,7 @@ async def test_writes_merged_off_the_loop_are_those_merged_on_it(
         monkeypatch.setattr(session_module, "THREAD_WRITES", threshold)
         async with LocalSessionProvider() as provider:
             session = await provider.create_session(RecordingDelegate())
-            writes = [(f"k{i % 3000}", msgspec.Raw(str(i).encode())) for i in range(5000)]
+            writes = [(f"k{i % 3000}", str(i)) for i in range(5000)]
             assert await session.commit(writes, lambda: wanted) is None
             return dict(session._store)
 

@@ -440,6 +440,30 @@ async def test_messages_after_a_cells_end_are_ignored() -> None:
     assert engine.live_cells == 0
 
 
+async def test_writes_of_too_many_entries_are_refused_before_they_are_decoded() -> None:
+    # Guards: engine.py counts a `done`'s store entries (each an array, every other array inside
+    # a string: values travel as texts) before it decodes them, and refuses more than a prelude
+    # can write, as host.js does. Decoded, 25 million tiny entries within a frame held the event
+    # loop every session shares for seconds and took gigabytes (3 million: 2.2 s, 0.7 GiB).
+    _, protocol, events, transport = wired()
+    many = "[" + ",".join(['["k","0"]'] * (engine_module.MAX_WRITE_ENTRIES + 1)) + "]"
+    # Brackets inside keys and values are no entries: within the bound, however many.
+    nested = json.dumps([["[" * 10, "[" * (engine_module.MAX_WRITE_ENTRIES + 1)]])
+    batch = [
+        {"t": "done", "cell": 1, "error": None, "writes": many},
+        {"t": "done", "cell": 1, "error": None, "writes": nested},
+    ]
+    protocol.data_received(frame(json.dumps(batch).encode()))
+    async with asyncio.timeout(5):
+        while len(events.seen) < len(batch):  # dispatched in slices of DISPATCH_SLICE
+            await asyncio.sleep(0.01)
+    assert not transport.killed
+    assert events.seen == [
+        ("done", (engine_module.WRITES_TOO_MANY, [], None)),
+        ("done", (None, [("[" * 10, "[" * (engine_module.MAX_WRITE_ENTRIES + 1))], None)),
+    ]
+
+
 async def test_items_after_a_termination_began_stay_within_the_buffer_bound(
     provider: LocalSessionProvider,
 ) -> None:

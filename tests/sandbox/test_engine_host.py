@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from codemode.protocol import InputImage, InputText, Result
+from codemode.protocol import InputImage, InputText, LiveCell, Result, WaitRequest
 from codemode.protocol.types import ImageDetail
 from codemode.runtime import LocalSession, LocalSessionProvider
 from codemode.runtime import engine as engine_module
 from codemode.runtime.cell import MAX_NOTIFICATIONS_PER_CELL
+from codemode.runtime.engine import MAX_WRITE_ENTRIES, WRITES_TOO_MANY
 from tests.contract.delegate import RecordingDelegate
 from tests.sandbox.conftest import start, texts
 
@@ -205,3 +206,55 @@ async def test_a_call_id_already_pending_is_not_served_twice(
     assert [call.runtime_tool_call_id for call in delegate.calls] == ["dup"]
     assert delegate.cancelled == ["dup"]
     assert live.pending_calls == 0
+
+
+# Guards: host.js sends only store writes Python can decode (a JSON array of [key, JSON text]
+# string pairs, no lone surrogate escape), else the cell ends with its writes discarded. Python
+# ends an engine whose writes it cannot decode, with every cell on it: a subverted prelude's
+# `done` (or `exit` after a late store) took the session's other cells with it.
+@pytest.mark.parametrize(
+    "forge",
+    [
+        "__host(4, null, 'not json');",
+        '__host(4, null, \'[["k","\\\\ud800"]]\');',  # a lone surrogate, escaped
+        "__host(4, null, '[[\"k\",1]]');",  # a value that is not a string
+        '__host(4, null, \'{"k":"1"}\');',
+        "__host(4, null, '[]'); __host(7); __host(8, 'not json');",  # exit's writes
+    ],
+    ids=["not-json", "lone-surrogate", "not-a-text", "not-an-array", "exit"],
+)
+async def test_writes_python_cannot_decode_end_only_their_cell(
+    session: tuple[LocalSession, RecordingDelegate], forge: str
+) -> None:
+    live, _ = session
+    await run(live, "")
+    assert live.engine is not None
+    pid = live.engine.pid
+    sibling, parked = await start(
+        live, "await new Promise((r) => setTimeout(r, 1500)); text('on')", 50
+    )
+    assert not isinstance(parked, Result)
+    response = await run(live, forge)
+    assert response.error_text == "exec cell store writes were discarded: they are malformed"
+    outcome = await live.wait(WaitRequest(sibling, 10_000))
+    assert isinstance(outcome, LiveCell) and texts(outcome.response) == ["on"]
+    assert live.engine is not None and live.engine.pid == pid
+
+
+async def test_writes_of_more_entries_than_a_prelude_makes_are_refused_before_decoding(
+    session: tuple[LocalSession, RecordingDelegate],
+) -> None:
+    # Guards: host.js and Python (engine.py, counted before anything is decoded) refuse writes of
+    # more entries than the prelude can make. Each entry costs Python a few objects: 25 million
+    # tiny ones, within a frame, held the event loop every session shares for seconds.
+    live, _ = session
+    response = await run(
+        live,
+        f"""
+        const entries = [];
+        for (let i = 0; i <= {MAX_WRITE_ENTRIES}; i++) entries.push(`["k${{i}}","0"]`);
+        __host(4, null, '[' + entries.join(',') + ']');
+        """,
+    )
+    assert response.error_text == WRITES_TOO_MANY
+    assert texts(await run(live, "text(String(load('k0')))")) == ["function", "undefined"]

@@ -102,7 +102,7 @@ class CellEvents(Protocol):
     def on_done(
         self,
         error: str | None,
-        writes: list[tuple[str, msgspec.Raw]],
+        writes: list[tuple[str, str]],
         call: tuple[int, int, int] | None,
     ) -> None: ...
     def on_exited(self, reason: str, detail: str | None) -> None: ...
@@ -178,7 +178,31 @@ class _Exited(_Message, tag="exited"):
 
 _EngineMessage = _Ready | _Exiting | _Started | _Item | _Call | _Notify | _Yield | _Done | _Exited
 _BATCH: Final = msgspec.json.Decoder(list[_EngineMessage])
-_WRITES: Final = msgspec.json.Decoder(list[tuple[str, msgspec.Raw]])
+_WRITES: Final = msgspec.json.Decoder(list[tuple[str, str]])
+#: The most entries one cell's store writes may hold (host.js's bound, checked again): the prelude
+#: counts each entry 256 characters besides its own against the 64 Mi a cell may write. Each entry
+#: costs this process a few objects once decoded: 25 million of them, within a frame, held the
+#: event loop every session shares for seconds and took gigabytes.
+MAX_WRITE_ENTRIES: Final = 64 * 1024 * 1024 // 256
+WRITES_TOO_MANY: Final = (
+    f"exec cell store writes were discarded: more than {MAX_WRITE_ENTRIES} entries"
+)
+
+
+def outside_strings(text: str) -> str:
+    """JSON ``text`` without its strings."""
+    # Escapes out (an escaped backslash first, so that what is left of `\\"` is a real quote),
+    # then every other run between quotes is a string's: C-speed replaces and a split, where a
+    # regular expression took 15 s over 42 million escaped quotes.
+    unescaped = text.replace("\\\\", "").replace('\\"', "")
+    return "".join(unescaped.split('"')[::2])
+
+
+def _write_entries_within(writes: str, room: int) -> bool:
+    """Whether store writes (``[[key, JSON text as a string], ...]``) hold at most ``room``
+    entries, counted before anything is decoded: every entry is an array, and every other array
+    would be inside a string (C-speed counts; the strings are taken out only when needed)."""
+    return writes.count("[") - 1 <= room or outside_strings(writes).count("[") - 1 <= room
 
 
 def _item(message: _Item) -> ContentItem:
@@ -778,7 +802,11 @@ class NodeEngine:
         elif isinstance(message, _Yield):
             events.on_yield(message.turn)
         elif isinstance(message, _Done):
-            # Checked here (a malformed text is a breach), turned into texts by the commit.
+            # Checked here (a malformed text is a breach); too many entries are refused before
+            # they are decoded, as host.js refuses them.
+            if not _write_entries_within(message.writes, MAX_WRITE_ENTRIES):
+                events.on_done(WRITES_TOO_MANY, [], None)
+                return
             try:
                 writes = _WRITES.decode(message.writes)
             except (msgspec.DecodeError, UnicodeError, RecursionError) as error:

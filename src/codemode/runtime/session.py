@@ -476,9 +476,7 @@ class LocalSession(CodeModeSession):
 
     # -- helpers for cells ---------------------------------------------------------------------------
 
-    async def commit(
-        self, writes: list[tuple[str, msgspec.Raw]], wanted: Callable[[], bool]
-    ) -> str | None:
+    async def commit(self, writes: list[tuple[str, str]], wanted: Callable[[], bool]) -> str | None:
         """Merge a naturally completed cell's store writes (per key, last writer wins), unless
         ``wanted()`` has turned false meanwhile (a termination won the race).
 
@@ -508,12 +506,12 @@ class LocalSession(CodeModeSession):
                 copy[0].put_store(self._scope, list(merged.items()), chars)
         return None
 
-    def _merge(self, writes: list[tuple[str, msgspec.Raw]]) -> tuple[dict[str, str], int, int]:
+    def _merge(self, writes: list[tuple[str, str]]) -> tuple[dict[str, str], int, int]:
         # The writes as texts, merged first: the engine is untrusted, and a key written twice
         # must be counted once (with its last value), or the count drifts from the store's real
         # size. Also the store's size with them, and their own characters. Reads the store
         # only (commits are one at a time: nothing changes it meanwhile).
-        merged = {key: bytes(value).decode() for key, value in writes}
+        merged = dict(writes)
         size = self._store_chars
         chars = 0
         store = self._store

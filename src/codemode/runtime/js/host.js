@@ -32,7 +32,8 @@
 //   {t:'notify', cell, text}                      notify(text)
 //   {t:'yield', cell, turn:int}                   yield_control() in the cell's turn `turn`
 //   {t:'done', cell, error:str|null, writes:str, call?:[tool:int, line, column]}
-//                                                 completed; writes = JSON [[key, json text]];
+//                                                 completed; writes = JSON [[key, json text]]
+//                                                 (each value a string holding its JSON text);
 //                                                 `call`: where the failed tool call whose text
 //                                                 the error is was made
 //   {t:'exited', cell, reason:'stopped'|'oom'|'crashed', detail?}
@@ -156,6 +157,33 @@ function tooLarge(text, room = MAX_MESSAGE_BYTES) {
 function errorBytes(text) {
   if (text === null) return 0;
   return text.length <= LARGE_CHARS ? text.length * 6 : Buffer.byteLength(JSON.stringify(text), 'utf8');
+}
+// A cell's store writes, checked before they go (a subverted prelude sends any text): Python ends
+// the engine, with every cell on it, for writes it cannot decode (not JSON, a lone surrogate
+// escape), and decodes every entry into objects of its own (millions of tiny ones held the event
+// loop every session shares for seconds). The prelude counts each entry 256 characters besides
+// its own against the 64 Mi a cell may write, so no cell of its writes more entries than this.
+const MAX_WRITE_ENTRIES = (64 * 1024 * 1024) / 256;
+const WRITES_MALFORMED = 'exec cell store writes were discarded: they are malformed';
+const WRITES_TOO_MANY = `exec cell store writes were discarded: more than ${MAX_WRITE_ENTRIES} entries`;
+function writesRefusal(writes) {
+  if (writes === '[]') return null;
+  let entries;
+  try {
+    entries = JSON.parse(writes);
+  } catch (error) {
+    return WRITES_MALFORMED;
+  }
+  if (!Array.isArray(entries)) return WRITES_MALFORMED;
+  if (entries.length > MAX_WRITE_ENTRIES) return WRITES_TOO_MANY;
+  for (const entry of entries) {
+    if (!Array.isArray(entry) || entry.length !== 2) return WRITES_MALFORMED;
+    const [key, text] = entry;
+    if (typeof key !== 'string' || typeof text !== 'string') return WRITES_MALFORMED;
+    // Raw lone surrogates were replaced already; these came from escapes.
+    if (!key.isWellFormed() || !text.isWellFormed()) return WRITES_MALFORMED;
+  }
+  return null;
 }
 const IMAGE_DETAILS = ['auto', 'low', 'high', 'original'];
 // The prelude's own bounds, held here too (a subverted prelude gets no further): pending timers
@@ -377,7 +405,8 @@ class Cell {
         if (!live()) return;
         cell.finished = true;
         if (cell.exitWrites !== undefined) {
-          done.writes = cell.exitWrites; // read by the prelude at exit(): its isolate may be busy
+          // read by the prelude at exit(): its isolate may be busy
+          done.writes = wellFormed(cell.exitWrites);
         } else if (cell.rewritten) { // a leftover microtask stored more: the writes as they are now
           try {
             const now = cell.entry.applySync(undefined, ['writes'], { result: { copy: true } });
@@ -385,6 +414,12 @@ class Cell {
           } catch (error) {
             // the isolate is gone: what the end reported stands
           }
+        }
+        const refusal = writesRefusal(done.writes);
+        if (refusal !== null) {
+          done.writes = '[]';
+          done.error = refusal;
+          delete done.call;
         }
         // The writes share the frame with the error text (up to 16 Mi characters of it).
         if (tooLarge(done.writes, MAX_MESSAGE_BYTES - 1024 - errorBytes(done.error))) {

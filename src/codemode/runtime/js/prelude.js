@@ -290,12 +290,14 @@
     hostItem(type, toWellFormed(value), detail);
   }
 
+  // [[key, JSON text], ...]: each value travels as a string, so that the host can count the
+  // entries without reading the values (host.js, engine.py).
   function writesJson() {
     let out = '[';
     const entries = mapEntries(written);
     for (let step = iteratorNext(entries); !step.done; step = iteratorNext(entries)) {
       if (out.length > 1) out += ',';
-      out += '[' + stringify(toWellFormed(step.value[0])) + ',' + toWellFormed(step.value[1]) + ']';
+      out += '[' + stringify(toWellFormed(step.value[0])) + ',' + stringify(toWellFormed(step.value[1])) + ']';
     }
     return out + ']';
   }
