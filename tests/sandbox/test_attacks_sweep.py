@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import time
+import tracemalloc
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -462,6 +463,24 @@ async def test_writes_of_too_many_entries_are_refused_before_they_are_decoded() 
         ("done", (engine_module.WRITES_TOO_MANY, [], None)),
         ("done", (None, [("[" * 10, "[" * (engine_module.MAX_WRITE_ENTRIES + 1))], None)),
     ]
+
+
+def test_counting_a_tool_inputs_values_costs_no_object_per_string() -> None:
+    # Guards: cell.py counts a tool input's values before it decodes it, and takes the strings
+    # out (an object per string) only when there are no more of them than values allowed. A
+    # cell's `tools.echo(new Array(40e6).fill(''))`, within the prelude's bound on an input, held
+    # the event loop every session shares for 4 s and took 1 GiB just to be refused.
+    text = "[" + ",".join(['""'] * (cell_module.MAX_PENDING_INPUT_VALUES + 1)) + "]"
+    tracemalloc.start()
+    try:
+        counts = cell_module._json_counts(
+            text, cell_module.MAX_PENDING_INPUT_VALUES, cell_module.MAX_PENDING_INPUT_CONTAINERS
+        )
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert counts == (None, None)
+    assert peak < len(text) // 8, peak  # the split alone took eight times the text
 
 
 async def test_items_after_a_termination_began_stay_within_the_buffer_bound(
