@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from codemode.protocol import (
     WaitRequest,
     Yielded,
 )
+from codemode.runtime import engine as engine_module
 from codemode.session import (
     CancellationToken,
     CodeModeSession,
@@ -431,3 +433,26 @@ async def test_many_runaway_cells_at_once(harness: Harness) -> None:
         assert outcome == LiveCell(Terminated(cell, []))
     await bystander.complete()
     await bystander.fresh()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("level", [logging.INFO, logging.DEBUG], ids=["info", "debug"])
+def test_an_engines_stderr_flood_costs_the_loop_no_record_per_line(
+    caplog: pytest.LogCaptureFixture, level: int
+) -> None:
+    # Guards: engine.py reads the engine's stderr as fast as it writes, and logs at most
+    # MAX_LOG_LINES_PER_READ of its lines per read (none unless DEBUG is on). An engine that
+    # wrote a line per byte held the event loop every session shares for 0.1 s per read, making
+    # a log record per line whether it was logged or not.
+    caplog.set_level(level, logger="codemode.runtime.engine")
+    log = engine_module._EngineLog()
+    began = time.perf_counter()
+    for _ in range(20):
+        log.data_received(b"\n" * 262_144)
+    spent = time.perf_counter() - began
+    records = [r for r in caplog.records if r.name == "codemode.runtime.engine"]
+    if level == logging.DEBUG:
+        assert len(records) == 20 * engine_module.MAX_LOG_LINES_PER_READ
+    else:
+        assert records == []
+    assert spent < 0.5, spent  # the flood made 5.2 M records in about 2 s

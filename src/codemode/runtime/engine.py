@@ -356,15 +356,26 @@ class _HostProtocol(asyncio.SubprocessProtocol):
         self._engine._host_exited()
 
 
+#: The most lines of the engine's stderr logged per read of it (the rest are dropped).
+MAX_LOG_LINES_PER_READ: Final = 64
+
+
 class _EngineLog(asyncio.Protocol):
-    """The engine's stderr, logged line by line (a line's first 4 KiB)."""
+    """The engine's stderr, logged line by line at DEBUG (a line's first 4 KiB, at most
+    :data:`MAX_LOG_LINES_PER_READ` lines a read)."""
 
     def __init__(self) -> None:
         self._pending = bytearray()
 
     def data_received(self, data: bytes) -> None:
+        # The engine is untrusted and its stderr is read as fast as it writes: one that wrote
+        # a line per byte held the event loop every session shares for 0.1 s per read (a record
+        # per line, logged or not).
+        if not logger.isEnabledFor(logging.DEBUG):
+            self._pending = bytearray(data[-4096:])
+            return
         self._pending += data
-        *lines, rest = self._pending.split(b"\n")
+        *lines, rest = self._pending.split(b"\n", MAX_LOG_LINES_PER_READ)
         self._pending = bytearray(rest[-4096:])
         for line in lines:
             logger.debug("engine: %s", line[:4096].decode("utf-8", "replace"))
