@@ -411,6 +411,31 @@ async def test_out_of_range_and_malformed_fields_end_only_the_engine(body: bytes
     assert engine.live_cells == 0
 
 
+@pytest.mark.parametrize("messages", [1025, 2_000_000], ids=["one-too-many", "millions"])
+async def test_a_frame_of_more_messages_than_host_js_sends_is_a_breach(messages: int) -> None:
+    # Guards: engine.py refuses a frame of more than 1,024 messages (host.js sends one when it
+    # has that many) before any is dispatched: a compromised engine's flood in one frame is not
+    # served, and the engine ends.
+    _, protocol, events, transport = wired()
+    body = "[" + ",".join(['{"t":"started","cell":9}'] * messages) + "]"
+    protocol.data_received(frame(body.encode()))
+    assert transport.killed
+    assert events.seen[-1] == ("exited", "crashed")
+
+
+async def test_a_full_frame_of_texts_of_braces_and_quotes_is_not_a_breach() -> None:
+    # Guards the count above: it counts messages, not braces and quotes inside texts.
+    _, protocol, events, transport = wired()
+    batch = [
+        {"t": "item", "cell": 1, "type": "input_text", "value": '{"k":"v"}' * 50}
+    ] * engine_module.MAX_FRAME_MESSAGES
+    protocol.data_received(frame(json.dumps(batch).encode()))
+    async with asyncio.timeout(5):
+        while len(events.seen) < len(batch):  # dispatched in slices of DISPATCH_SLICE
+            await asyncio.sleep(0.01)
+    assert not transport.killed
+
+
 async def test_integers_beyond_64_bits_are_harmless() -> None:
     # Already safe (untested): msgspec decodes integers of any size; a turn or a cell number far
     # beyond 64 bits reaches no arithmetic that could fail (an unknown cell is ignored).
@@ -473,13 +498,13 @@ def test_counting_a_tool_inputs_values_costs_no_object_per_string() -> None:
     text = "[" + ",".join(['""'] * (cell_module.MAX_PENDING_INPUT_VALUES + 1)) + "]"
     tracemalloc.start()
     try:
-        counts = cell_module._json_counts(
+        values, _ = cell_module._json_counts(
             text, cell_module.MAX_PENDING_INPUT_VALUES, cell_module.MAX_PENDING_INPUT_CONTAINERS
         )
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert counts == (None, None)
+    assert values > cell_module.MAX_PENDING_INPUT_VALUES
     assert peak < len(text) // 8, peak  # the split alone took eight times the text
 
 

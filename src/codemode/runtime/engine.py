@@ -229,6 +229,13 @@ def _item(message: _Item) -> ContentItem:
     return InputAudio(message.value)
 
 
+#: The most messages an engine frame may hold (host.js sends a frame when it has that many).
+#: Checked once the frame is decoded: counting its braces and quotes first, to refuse a flood of
+#: tiny messages undecoded, cost a legitimate frame of a large tool input several more passes over
+#: its bytes on the event loop than the decoding itself.
+MAX_FRAME_MESSAGES: Final = 1024
+
+
 class _Batches:
     """Decodes one engine frame's payload into its messages (malformed is a breach)."""
 
@@ -237,10 +244,14 @@ class _Batches:
     def decode(
         self, data: bytes | bytearray, start: int = 0, end: int | None = None
     ) -> list[_EngineMessage]:
+        end = len(data) if end is None else end
         try:
-            return _BATCH.decode(memoryview(data)[start : len(data) if end is None else end])
+            batch = _BATCH.decode(memoryview(data)[start:end])
         except (msgspec.DecodeError, RecursionError) as error:  # deep nesting: RecursionError
             raise EngineBreach(f"malformed engine frame: {error}") from None
+        if len(batch) > MAX_FRAME_MESSAGES:
+            raise EngineBreach(f"engine frame of more than {MAX_FRAME_MESSAGES} messages")
+        return batch
 
 
 #: The longest stretch (seconds) the messages of one engine may hold the event loop, which every
