@@ -75,6 +75,16 @@ def delegate_response(delegate_id: int, value: dict[str, Any]) -> Step:
     return send({"type": "delegate/response", "id": delegate_id, "result": result})
 
 
+def delegate_error(delegate_id: int, message: str) -> Step:
+    return send(
+        {
+            "type": "delegate/response",
+            "id": delegate_id,
+            "result": {"status": "error", "message": message},
+        }
+    )
+
+
 #: Our host answers `session/open` at once and starts the session's engine process meanwhile
 #: (upstream needs none): the pause lets it be ready, also with other cases (and tests) running
 #: beside. Nothing on the wire says when it is: a script whose answers depend on it (requests
@@ -233,6 +243,80 @@ CASES: Final[dict[str, list[Step]]] = {
         pause(0.4),
         together(wait(3, "1", yield_ms=60_000), send({"type": "operation/cancel", "id": 3})),
         pause(0.3),
+    ],
+    # Found matching by a later hunt (both releases): handshake and limit variants, what a cell
+    # reads of a tool's error, callbacks revoked at a terminate or an exit(), cancelled waits.
+    "hello offering versions 2 and 1": [send({**HELLO, "supportedVersions": [2, 1]}), pause(0.3)],
+    "hello requiring an unknown capability": [
+        send({**HELLO, "requiredCapabilities": ["zzz"]}),
+        pause(0.3),
+    ],
+    "session limit maxYieldTimeMs 50 bounds every yield time": [
+        send(HELLO),
+        pause(0.2),
+        open_session(1, cellExecutionLimits={"maxYieldTimeMs": 50}),
+        pause(1.2),
+        execute(2, "await new Promise(r => setTimeout(r, 1000)); text(1)", yield_ms=5000),
+        pause(0.4),
+        wait(3, "1", yield_ms=5000),
+        answered("cell/closed"),
+    ],
+    "a tool error read by the cell": [
+        *OPENED,
+        execute(
+            2,
+            "try { await tools.echo({}) } catch (e) { text(typeof e); text(String(e)); "
+            "text(e instanceof Error); text(JSON.stringify(e)) }",
+            enabled_tools=[ECHO],
+        ),
+        answered("delegate/request"),
+        delegate_error(1, "a\nb\n    at x (codemode-prelude.js:1:1)"),
+        answered(),
+    ],
+    "a tool result after its cell was terminated": [
+        *OPENED,
+        execute(2, "await tools.echo({})", yield_ms=100, enabled_tools=[ECHO]),
+        answered(),
+        terminate(3, "1"),
+        answered("cell/closed"),
+        delegate_response(1, {"type": "tool/result", "result": 1}),
+        pause(0.3),
+        execute(4, "text(2)"),
+        answered(),
+    ],
+    "exit() with a tool call pending": [
+        *OPENED,
+        execute(2, "tools.echo({}); text('x'); exit()", enabled_tools=[ECHO]),
+        answered("cell/closed"),
+    ],
+    "terminate with a notification pending": [
+        *OPENED,
+        execute(2, "notify('a'); await new Promise(() => {})", yield_ms=100),
+        answered(),
+        terminate(3, "1"),
+        answered("cell/closed"),
+    ],
+    "a cancelled wait, then another": [
+        *OPENED,
+        execute(2, BLOCKED, yield_ms=100),
+        answered(),
+        wait(3, "1", yield_ms=5000),
+        pause(0.2),
+        send({"type": "operation/cancel", "id": 3}),
+        pause(0.3),
+        wait(4, "1", yield_ms=50),
+        pause(0.3),
+        terminate(5, "1"),
+        answered("cell/closed"),
+    ],
+    "store of one session, load in another": [
+        *OPENED,
+        execute(2, "store('k', 1)"),
+        answered("cell/closed"),
+        open_session(3, "s2"),
+        pause(1.2),
+        execute(4, "text(String(load('k')))", session="s2"),
+        answered("cell/closed"),
     ],
     # What the pinned specification decides differently (DIFFERENCES).
     "limits null": [send(HELLO), pause(0.2), open_session(1, cellExecutionLimits=None)],

@@ -335,6 +335,32 @@ CELLS = [
     'Error.stackTraceLimit = 0; throw new Error("nolimit")',
     'class K { m() { return new Error("mt").stack } } text(new K().m())',
     'using x = {[Symbol.dispose]() { text("disposed") }}; text("body")',
+    # Matched in a later hunt (both releases unless listed in RELEASE_DIFFERENCES).
+    # exit() from a timer or a tool's then-callback ends the cell there; an exit() with a tool
+    # call pending ends it too.
+    'setTimeout(() => exit(), 5); text("a"); await new Promise(r => setTimeout(r, 1000)); text("no")',
+    'tools.echo({}).then(() => { text("then"); exit() }); text("a"); '
+    'await new Promise(r => setTimeout(r, 1000)); text("no")',
+    'const p = tools.echo({}); text("x"); exit(); await p',
+    # A tool failure the cell reads, one nobody awaits, and a timer or promise that fails alone.
+    "const e = await tools.fail({}).catch(e => e); text(typeof e); text(e instanceof Error); "
+    "text(e.constructor.name); text(Object.keys(e).join())",
+    'tools.fail({}); text("x")',
+    'setTimeout(() => { throw new Error("timer err") }, 1); text("sync")',
+    'Promise.reject(new Error("unhandled")); await new Promise(r => setTimeout(r, 20)); text("x")',
+    # What the helpers return; store and load of edge values and keys.
+    'const r = store("k", 1); text(String(r)); text(String(text("x"))); text(String(notify("n"))); '
+    'text(String(image("data:x")))',
+    'store("n", -0); text(Object.is(load("n"), -0)); store("f", 1.5e-300); text(load("f")); '
+    'store("nan", NaN); text(JSON.stringify(load("nan")))',
+    'store("", "empty"); text(load("")); store(null, 1); text(load("null")); '
+    'store("o", {a: undefined, b: [undefined, () => 1]}); text(JSON.stringify(load("o")))',
+    # Date and Intl in the cell's isolate (UTC, en-US, full ICU data).
+    "text(new Date(0).toString()); text(new Date(0).toLocaleString()); "
+    'text((1234567.891).toLocaleString()); text(new Intl.NumberFormat("de-DE").format(1234.5))',
+    'text(new Intl.DateTimeFormat("en", {dateStyle: "full", timeZone: "Asia/Tokyo"}).format(0)); '
+    'text(new Date(0).toLocaleString("de-DE", {timeZone: "Europe/Berlin"})); '
+    'text(new Intl.RelativeTimeFormat("en").format(-1, "day")); text(new Date(2020, 0, 1).getTimezoneOffset())',
     # differences (DIFFERENCES)
     "generatedImage([])",
     'image({type: "image", data: "AAA", mimeType: "", mime_type: "image/x"})',
@@ -396,6 +422,13 @@ RELEASE_DIFFERENCES: dict[str, dict[str, str]] = {
         "queued before exit(); runtime.md §9 and 0.171.0 admit no effect after it",
         'String.fromCodePoint = () => "Z"; store("a\\u0000b", undefined)': "0.149.0 throws "
         "`failed to serialize JavaScript value: …` (the later text is pinned)",
+        'setTimeout(() => exit(), 5); text("a"); await new Promise(r => setTimeout(r, 1000)); '
+        'text("no")': "0.149.0's exit() throws a catchable string: from a timer it ends the cell "
+        "as an error `__codex_code_mode_exit__`; runtime.md §9 and 0.171.0 end it with no error",
+        'tools.echo({}).then(() => { text("then"); exit() }); text("a"); '
+        'await new Promise(r => setTimeout(r, 1000)); text("no")': "0.149.0's exit() throws a "
+        "catchable string: in a then-callback it only rejects that promise and the cell goes on; "
+        "runtime.md §9 and 0.171.0 end the cell",
     },
     LATEST_VERSION: {
         'text(Object.keys(globalThis).join(","))': "0.171.0 adds globals the pinned spec does not "
