@@ -289,6 +289,20 @@ CASES: Final[dict[str, list[Step]]] = {
         execute(2, "tools.echo({}); text('x'); exit()", enabled_tools=[ECHO]),
         answered("cell/closed"),
     ],
+    # Revoked newest first, tool calls and notifications alike (we revoked the cell's calls,
+    # then its notifications).
+    "terminate with a tool call, then a notification pending": [
+        *OPENED,
+        execute(
+            2,
+            "tools.echo({}); notify('n'); await new Promise(() => {})",
+            yield_ms=100,
+            enabled_tools=[ECHO],
+        ),
+        answered(),
+        terminate(3, "1"),
+        answered("cell/closed"),
+    ],
     "terminate with a notification pending": [
         *OPENED,
         execute(2, "notify('a'); await new Promise(() => {})", yield_ms=100),

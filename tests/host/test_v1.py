@@ -822,6 +822,29 @@ async def test_shutdown_closes_cells_before_the_session(provider: LocalSessionPr
         )
 
 
+async def test_a_shutdown_revokes_every_cells_callbacks_newest_first(
+    provider: LocalSessionProvider,
+) -> None:
+    # As upstream (0.149.0 and 0.171.0, every run): across the session's cells, tool calls and
+    # notifications alike, before any cell closes (upstream closes the cells in either order).
+    async with serving(provider) as served:
+        client = served.client
+        await client.handshake()
+        await client.open()
+        await client.execute(2, "await tools.block({});", tools=(BLOCK,), yield_ms=60_000)
+        assert isinstance(await client.receive(), DelegateRequestMessage)
+        source = "notify('n'); await tools.block({});"
+        await client.execute(3, source, tools=(BLOCK,), yield_ms=60_000)
+        requests = [await client.receive(), await client.receive()]
+        assert [r.id for r in requests if isinstance(r, DelegateRequestMessage)] == [2, 3]
+        client.send(OperationRequest(4, SessionShutdown(S1)))
+        messages = await client.receive_until(ok(4, SessionClosed(S1)))
+        cancels = [m for m in messages if isinstance(m, DelegateCancel)]
+        assert cancels == [DelegateCancel(3), DelegateCancel(2), DelegateCancel(1)]
+        first_close = next(i for i, m in enumerate(messages) if isinstance(m, CellClosed))
+        assert messages.index(DelegateCancel(1)) < first_close
+
+
 class HangingProvider(CodeModeSessionProvider):
     """Opening a session never finishes (until cancelled)."""
 

@@ -241,6 +241,9 @@ class Cell:
         self._failed_call: ToolCallSite | None = None
         self._calls: dict[str, tuple[asyncio.Future[Any], CancellationToken]] = {}
         self._notifications: dict[asyncio.Future[None], CancellationToken] = {}
+        # Every unsettled callback's token (tool calls and notifications) in the order they were
+        # issued, with its place in the session's order (Session.revoke_callbacks).
+        self._issued: dict[CancellationToken, int] = {}
         self._notify_budget = MAX_NOTIFICATIONS_PER_CELL
         self._stopped = asyncio.Event()
         self._closed_event = asyncio.Event()
@@ -484,10 +487,12 @@ class Cell:
         )
         if task is not None:  # an eagerly started tool may already have answered
             self._calls[call_id] = (task, token)
+            self._issue(token)
             self._session.hold_callback(task, size, values, containers)
 
     def _settle_call(self, call_id: str, token: CancellationToken, result: CallbackResult) -> None:
         self._calls.pop(call_id, None)
+        self._issued.pop(token, None)
         if token.is_cancelled() or self._state is not _State.RUNNING:
             return  # nobody wants it any more
         # The session's last outstanding callback (this one counts until its task is done, an
@@ -522,11 +527,24 @@ class Cell:
         task = serve_callback(call, _log_undelivered, notification=True, context=self._context)
         if task is not None:
             self._notifications[task] = token
+            self._issue(token)
             self._session.hold_callback(task, len(text))
             task.add_done_callback(self._notification_done)
 
     def _notification_done(self, task: asyncio.Future[None]) -> None:
-        self._notifications.pop(task, None)
+        token = self._notifications.pop(task, None)
+        if token is not None:
+            self._issued.pop(token, None)
+
+    def _issue(self, token: CancellationToken) -> None:
+        self._session.callbacks_issued += 1
+        self._issued[token] = self._session.callbacks_issued
+
+    @property
+    def issued(self) -> dict[CancellationToken, int]:
+        """The tokens of the cell's unsettled callbacks, each with its place in the order the
+        session issued callbacks (read-only)."""
+        return self._issued
 
     def on_done(
         self,
@@ -588,8 +606,6 @@ class Cell:
         """Natural-completion order (§13.7); a termination that wins the race stops it."""
         if natural and self._notifications:
             await asyncio.wait(list(self._notifications))
-        else:
-            self._cancel(self._notifications)
         await self._settle_calls()
         if self._state is not _State.FINISHING:
             return  # a termination won the race: the completion is discarded
@@ -611,18 +627,14 @@ class Cell:
         return self._state is _State.FINISHING
 
     async def _settle_calls(self) -> None:
-        tasks = self._cancel(dict(self._calls.values()))
-        tasks += self._cancel(self._notifications)
+        tasks = [task for task, _ in self._calls.values() if not task.done()]
+        tasks += [task for task in self._notifications if not task.done()]
+        # Newest first, tool calls and notifications alike, as the upstream host revokes a
+        # cell's callbacks (delegate/cancel).
+        for token in reversed(list(self._issued)):
+            token.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=CALLBACK_GRACE)
-
-    @staticmethod
-    def _cancel(callbacks: dict[Any, CancellationToken]) -> list[asyncio.Future[Any]]:
-        pending = [task for task in callbacks if not task.done()]
-        # Newest first, as the upstream host revokes a cell's callbacks (delegate/cancel).
-        for token in reversed(list(callbacks.values())):
-            token.cancel()
-        return pending
 
     def terminate(self) -> Awaitable[LiveCell]:
         """Stop the cell (§13.6): a buffered natural completion wins over termination. The state

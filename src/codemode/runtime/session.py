@@ -15,6 +15,7 @@ import itertools
 import logging
 import math
 from collections.abc import Callable
+from operator import itemgetter
 from typing import Any, Final
 
 import msgspec
@@ -292,6 +293,7 @@ class LocalSession(CodeModeSession):
         self._taking: asyncio.Lock = asyncio.Lock()
         self._preparing: asyncio.Task[NodeEngine] | None = None
         self.pending_calls = 0  # unresolved nested calls and notifications of all cells
+        self.callbacks_issued = 0  # nested calls and notifications its cells ever issued
         self.pending_input_chars = 0  # characters of their inputs and texts (cell.py bounds it)
         self.pending_input_values = 0  # JSON values of their inputs (at most; cell.py bounds it)
         self.pending_input_containers = 0  # their arrays and objects (at most; cell.py bounds it)
@@ -422,6 +424,12 @@ class LocalSession(CodeModeSession):
 
     async def _shutdown(self) -> None:
         cells = list(self._cells.values())
+        # The pending callbacks of all cells are revoked newest first, across cells, before any
+        # cell stops, as the upstream host revokes them at a shutdown (delegate/cancel 3, 2, 1
+        # for cell 1's call 1 and cell 2's notification 2 and call 3).
+        issued = [(place, token) for cell in cells for token, place in cell.issued.items()]
+        for _, token in sorted(issued, key=itemgetter(0), reverse=True):
+            token.cancel()
         results = await asyncio.gather(
             *(self._retire(cell) for cell in cells), return_exceptions=True
         )
