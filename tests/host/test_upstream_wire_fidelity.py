@@ -323,6 +323,30 @@ CASES: Final[dict[str, list[Step]]] = {
         terminate(5, "1"),
         answered("cell/closed"),
     ],
+    # A completion buffered for its observer wins over a terminate, which is answered it.
+    "terminate a buffered result": [
+        *OPENED,
+        execute(2, "yield_control(); text('b')"),
+        answered(),
+        pause(0.5),
+        terminate(3, "1"),
+        answered("cell/closed"),
+    ],
+    # A completion (exit() as well) is answered while its notification is unanswered.
+    "a result with its notification unanswered": [
+        *OPENED,
+        execute(2, "notify('a'); text('t')"),
+        answered("cell/closed"),
+        delegate_response(1, {"type": "notification/delivered"}),
+        pause(0.3),
+    ],
+    "exit() with its notification unanswered": [
+        *OPENED,
+        execute(2, "notify('a'); exit()"),
+        answered("cell/closed"),
+        delegate_response(1, {"type": "notification/delivered"}),
+        pause(0.3),
+    ],
     "store of one session, load in another": [
         *OPENED,
         execute(2, "store('k', 1)"),
