@@ -259,6 +259,10 @@ class _Batches:
 #: (about 0.1 ms each, the delegate's eager start included) held it for 0.1-0.2 s, every frame,
 #: and the other sessions' cells waited that long for each step.
 DISPATCH_SLICE: Final = 0.005
+#: How long the next slice waits after a slice that overran :data:`DISPATCH_SLICE` by as much
+#: again (the decoding of a large frame, a large message): long enough for tasks of other sessions
+#: woken meanwhile to run first, short against what the overrun cost.
+OVERRUN_PAUSE: Final = 0.001
 #: What one read of the engine's stdout asks for. asyncio's pipes read 256 KiB at a time, which
 #: the allocator serves with mmap/munmap per read (≈15 µs on the development VM against ≈1 µs for
 #: 64 KiB): that was a quarter of the Python side of a nested call. Frames of any size still
@@ -320,6 +324,12 @@ class _EngineOutput(asyncio.Protocol):
                     if batch is NEED_DATA:
                         break
                     self._batch = batch  # type: ignore[assignment]
+                    if deadline is not None and time.perf_counter() > deadline:
+                        # Its decoding used the slice up (a large frame: ≈0.1 s for 60 M
+                        # characters): its messages wait for the next one, or decoding it and
+                        # handling its large message (as long again) would be one stretch.
+                        more = True
+                        break
                 self._next = engine._dispatch(self._batch, self._next, deadline)
                 if self._discarded:
                     return  # a breach or an exit while dispatching
@@ -335,7 +345,15 @@ class _EngineOutput(asyncio.Protocol):
         if more and not whole:
             if transport is not None and transport.is_reading():
                 transport.pause_reading()
-            self._later = asyncio.get_running_loop().call_soon(self.dispatch)
+            loop = asyncio.get_running_loop()
+            if deadline is not None and time.perf_counter() - deadline > DISPATCH_SLICE:
+                # This slice overran (one large frame or message): the next one waits a little,
+                # so that what other sessions have woken meanwhile runs in between (a task woken
+                # by a timer or by I/O takes two loop iterations to run; the next slice would
+                # come first and make one long stretch of two).
+                self._later = loop.call_later(OVERRUN_PAUSE, self.dispatch)
+            else:
+                self._later = loop.call_soon(self.dispatch)
         elif transport is not None and not transport.is_closing() and not transport.is_reading():
             transport.resume_reading()
         if engine._flush_scheduled:
