@@ -148,11 +148,44 @@ async def test_an_exec_carries_no_store_and_a_commit_sends_only_its_writes(
     sent.clear()
     await run(session, "store('small', 1)")
     await run(session, "text(load('big').length + load('small'))")
-    puts = [message["put"] for message in sent if message["t"] == "store"]
-    assert puts == [[("small", "1")]]
+    # The engine that sent the writes applies them to its copy when told (they are not sent
+    # back): the commit carries neither them nor the rest of the store.
+    commits = [message for message in sent if message["t"] in ("store", "commit")]
+    assert commits == [{"t": "commit", "cell": commits[0]["cell"], "scope": commits[0]["scope"]}]
     for message in sent:
         if message["t"] == "exec":
             assert len(message["config"]) < 200, message["config"]
+
+
+async def test_writes_the_engine_keeps_are_committed_or_dropped_there(
+    provider: LocalSessionProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The engine keeps the writes of each `done` it sent until Python names them: committed
+    # ones are applied to its copy of the store, refused ones forgotten (not kept for ever).
+    from codemode.runtime import session as session_module
+
+    sent: list[dict[str, Any]] = []
+    original = engine.NodeEngine._send
+
+    def record(self: engine.NodeEngine, message: Any) -> None:
+        sent.append(message)
+        original(self, message)
+
+    monkeypatch.setattr(engine.NodeEngine, "_send", record)
+    monkeypatch.setattr(session_module, "MAX_STORE_CHARS", 1000)
+    session = await provider.create_session(CodeModeSessionDelegate())
+    await run(session, "store('a', 'x'.repeat(600))")
+    started = await session.execute(
+        ExecuteRequest(tool_call_id="c", source="store('b', 'x'.repeat(600))")
+    )
+    refused = await asyncio.wait_for(started.initial_response(), 30)
+    assert isinstance(refused, Result) and refused.error_text is not None  # past the store's bound
+    assert [message["t"] for message in sent if message["t"] in ("commit", "drop")] == [
+        "commit",
+        "drop",
+    ]
+    assert await run(session, "text(load('a').length + ' ' + load('b'))") == ["600 undefined"]
+    assert session.engine is not None and not session.engine._held_writes
 
 
 async def test_a_large_store_reaches_a_new_engine_in_many_frames(

@@ -610,7 +610,7 @@ class Cell:
         if self._state is not _State.FINISHING:
             return  # a termination won the race: the completion is discarded
         if natural:
-            refused = await self._session.commit(writes, self._finishing)
+            refused = await self._session.commit(writes, self._finishing, (self._engine, self.key))
             if not self._finishing():
                 return  # terminated while the writes were merged: discarded with the completion
             if refused is not None and error is None:
@@ -688,6 +688,8 @@ class Cell:
         if self._state is _State.CLOSED:
             return
         self._state = _State.CLOSED
+        # Writes the engine still holds for it (its end was not committed): forgotten there.
+        self._engine.drop_writes(self.key)
         # Every path here drained the items already; whatever is left gives its room back too.
         self._items = []
         self._session.buffered_output -= self._buffered

@@ -484,15 +484,36 @@ class LocalSession(CodeModeSession):
 
     # -- helpers for cells ---------------------------------------------------------------------------
 
-    async def commit(self, writes: list[tuple[str, str]], wanted: Callable[[], bool]) -> str | None:
+    async def commit(
+        self,
+        writes: list[tuple[str, str]],
+        wanted: Callable[[], bool],
+        sent_by: tuple[NodeEngine, int] | None = None,
+    ) -> str | None:
         """Merge a naturally completed cell's store writes (per key, last writer wins), unless
         ``wanted()`` has turned false meanwhile (a termination won the race).
+
+        ``sent_by`` (engine, cell key) names the engine whose child sent them: when it holds the
+        store's copy, the writes are committed there by name (:meth:`NodeEngine.commit_writes`),
+        not sent back; whatever happens they are dropped there otherwise.
 
         Returns an error text instead when the session's store would outgrow its limit (the
         writes are then discarded whole). Commits apply one at a time, in the order they come;
         many writes are merged on a worker thread, so that a cell's thousands of entries do not
         hold the event loop every session shares.
         """
+        try:
+            return await self._commit(writes, wanted, sent_by)
+        finally:
+            if sent_by is not None:
+                sent_by[0].drop_writes(sent_by[1])  # not committed there: forgotten
+
+    async def _commit(
+        self,
+        writes: list[tuple[str, str]],
+        wanted: Callable[[], bool],
+        sent_by: tuple[NodeEngine, int] | None,
+    ) -> str | None:
         if not self._store_load or not writes:
             return None
         async with self._committing:
@@ -511,7 +532,13 @@ class LocalSession(CodeModeSession):
             self._store_chars = size
             copy = self._store_copy
             if copy is not None and copy[0].generation == copy[1]:
-                copy[0].put_store(self._scope, list(merged.items()), chars)
+                engine = copy[0]
+                if (
+                    sent_by is None
+                    or sent_by[0] is not engine
+                    or not engine.commit_writes(sent_by[1], self._scope)
+                ):
+                    engine.put_store(self._scope, list(merged.items()), chars)
         return None
 
     def _merge(self, writes: list[tuple[str, str]]) -> tuple[dict[str, str], int, int]:
@@ -519,7 +546,12 @@ class LocalSession(CodeModeSession):
         # must be counted once (with its last value), or the count drifts from the store's real
         # size. Also the store's size with them, and their own characters. Reads the store
         # only (commits are one at a time: nothing changes it meanwhile).
-        merged = dict(writes)
+        # Entry by entry, not dict(writes): on a worker thread, one C call over 200,000 entries
+        # kept the GIL (and so the event loop) 30-60 ms; a loop of Python gives it back every
+        # switch interval.
+        merged: dict[str, str] = {}
+        for key, value in writes:
+            merged[key] = value
         size = self._store_chars
         chars = 0
         store = self._store

@@ -18,6 +18,9 @@
 //                                                 `scope` the session whose store it reads
 //   {t:'store', scope, put:[[key, json text]]}    committed store entries of a session (Python's
 //                                                 store is the authority; this is its copy here)
+//   {t:'commit', cell, scope}                     Python committed the writes this host sent in
+//                                                 the cell's `done`: apply them to the copy here
+//   {t:'drop', cell}                              ... or it did not: forget them
 //   {t:'forget', scope}                           drop a session's store (the session ended)
 //   {t:'results', cell, r:'[[call_id, ok, value]]'}  settle nested tool calls: JSON text (ok=false: error text)
 //   {t:'terminate', cell}                         stop the cell's isolate (works while it spins)
@@ -427,6 +430,10 @@ class Cell {
           done.error = 'exec cell store writes were discarded: they are too large to send';
           delete done.call;
         }
+        // Kept until Python commits them (or not): it then names them rather than send them
+        // back (a 60 M-character value cost its event loop, which every session shares, 0.1 s
+        // to encode again).
+        if (done.writes !== '[]') pendingWrites.set(cell.id, done.writes);
         sendLarge(done, done.writes.length + (done.error === null ? 0 : done.error.length));
         cell.exit('stopped');
       };
@@ -576,13 +583,17 @@ function takeIsolate(limit) {
 
 // -- stores --------------------------------------------------------------------------------------
 // Each session's store lives here as well as in Python, which sends what it commits (and all of it
-// to a new engine): an exec then carries no store, however large it grew. A cell reads the store
+// to a new engine; a commit of writes this host sent is only named): an exec then carries no
+// store, however large it grew. A cell reads the store
 // as it was when it started (runtime.md §6). A small store is given to the cell whole, as one
 // JSON text; from a larger one the cell fetches each key it loads (a synchronous call to this
 // thread, ≈50 µs), so that its start costs nothing in proportion to the store. A commit made
 // while such cells run keeps, for each of them, what it overwrote (Cell.before): work in
 // proportion to the commit, not to the store.
 const stores = new Map(); // scope -> Store
+// The writes (JSON text, checked by writesRefusal) of each cell whose `done` carried some, until
+// Python says whether it committed them (`commit`, `drop`).
+const pendingWrites = new Map(); // cell id -> writes
 const WHOLE_STORE_CHARS = 64 * 1024;
 
 class Store {
@@ -955,6 +966,15 @@ function onBatch(batch) {
         break;
       case 'store':
         storeOf(message.scope).put(message.put);
+        break;
+      case 'commit': {
+        const writes = pendingWrites.get(message.cell);
+        pendingWrites.delete(message.cell);
+        if (writes !== undefined) storeOf(message.scope).put(JSON.parse(writes));
+        break;
+      }
+      case 'drop':
+        pendingWrites.delete(message.cell);
         break;
       case 'forget':
         stores.delete(message.scope);
