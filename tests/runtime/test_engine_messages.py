@@ -274,3 +274,33 @@ async def test_a_large_tool_result_reaches_the_cell_in_linear_time() -> None:
         )
         result = await asyncio.wait_for(started.initial_response(), 20)
         assert result == Result(started.cell_id, [InputText(str(48 * 1024 * 1024))], None)
+
+
+async def test_large_writes_decoded_off_the_loop_keep_the_order_and_the_checks() -> None:
+    # Writes of THREAD_CHARS or more are counted and decoded on a worker thread while the
+    # engine's later messages wait: they come after the cell's end all the same, and malformed
+    # ones are still a breach.
+    from codemode.runtime.engine import THREAD_CHARS
+
+    value = json.dumps("x" * THREAD_CHARS)
+    _, protocol, events, transport = wired()
+    batch = [
+        {"t": "done", "cell": 1, "error": None, "writes": json.dumps([["k", value]])},
+        {"t": "exited", "cell": 1, "reason": "stopped"},
+    ]
+    protocol.data_received(frame(json.dumps(batch).encode()))
+    assert events.seen == []  # on its way
+    async with asyncio.timeout(5):
+        while len(events.seen) < 2:
+            await asyncio.sleep(0.01)
+    assert events.seen == [("done", (None, [("k", value)], None)), ("exited", "stopped")]
+    assert not transport.killed
+
+    _, protocol, events, transport = wired()
+    malformed = '[["k", ' + "[" * THREAD_CHARS + "]]"
+    batch = [{"t": "done", "cell": 1, "error": None, "writes": malformed}]
+    protocol.data_received(frame(json.dumps(batch).encode()))
+    async with asyncio.timeout(5):
+        while not transport.killed:
+            await asyncio.sleep(0.01)
+    assert events.seen == [("exited", "crashed")]

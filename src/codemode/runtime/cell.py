@@ -42,7 +42,7 @@ from codemode.protocol.types import (
     ToolDefinition,
     Yielded,
 )
-from codemode.runtime.engine import NodeEngine, outside_strings
+from codemode.runtime.engine import THREAD_CHARS, NodeEngine, outside_strings
 from codemode.session import CancellationToken, cell_context, run_in, serve_callback
 
 if TYPE_CHECKING:
@@ -438,37 +438,72 @@ class Cell:
         # Otherwise nobody observed the cell when it yielded — an observer that attached during
         # the same uninterrupted run of the cell came after it, in the cell's timeline: a no-op.
 
-    def on_call(self, call_id: str, tool: int, input_json: str | None) -> None:
+    def on_call(
+        self, call_id: str, tool: int, input_json: str | None
+    ) -> asyncio.Future[None] | None:
         if self._state is not _State.RUNNING:
-            return
+            return None
         if call_id in self._calls:
             # Only a subverted prelude repeats a pending id (it makes each anew). Served again,
             # the second would take the first's place here, and the first would never be
             # cancelled when the cell ends (nor its session's slot given back).
-            return
+            return None
         if not 0 <= tool < len(self._tools):
             self._engine.send_result(self.key, call_id, False, "unknown tool")
-            return
+            return None
         if self._session.pending_calls >= MAX_PENDING_DELEGATE_CALLS:
             self._engine.send_result(self.key, call_id, False, TOO_MANY_CALLBACKS)
-            return
+            return None
         # Each unsettled input stays in this process (its text and its decoded value) until its
         # tool answers: with a slow tool, 1,024 large inputs would exhaust the host's memory.
         size = 0 if input_json is None else len(input_json)
         if self._session.pending_input_chars + size > MAX_PENDING_INPUT_CHARS:
             self._engine.send_result(self.key, call_id, False, PENDING_INPUTS_TOO_LARGE)
+            return None
+        if input_json is None:
+            self._admit(call_id, tool, None, counts=(0, 0), rooms=(0, 0))
+            return None
+        rooms = (
+            MAX_PENDING_INPUT_VALUES - self._session.pending_input_values,
+            MAX_PENDING_INPUT_CONTAINERS - self._session.pending_input_containers,
+        )
+        if size >= THREAD_CHARS and self._engine.deferrable:
+            # Counted on a worker thread (the engine's later messages wait): each count is a pass
+            # of its own over the text, 15-30 ms for 50 M characters, and the event loop every
+            # session shares runs between them.
+            return asyncio.ensure_future(self._admit_off_loop(call_id, tool, input_json, rooms))
+        self._admit(call_id, tool, input_json, counts=_json_counts(input_json, *rooms), rooms=rooms)
+        return None
+
+    async def _admit_off_loop(
+        self, call_id: str, tool: int, input_json: str, rooms: tuple[int, int]
+    ) -> None:
+        counts = await asyncio.to_thread(_json_counts, input_json, *rooms)
+        if self._state is not _State.RUNNING:
+            return  # it ended meanwhile: nobody wants the call
+        try:
+            self._admit(call_id, tool, input_json, counts=counts, rooms=rooms)
+        except Exception:  # as the engine logs what a handler raises
+            logger.exception("codemode engine: failed to handle _Call")
+
+    def _admit(
+        self,
+        call_id: str,
+        tool: int,
+        input_json: str | None,
+        *,
+        counts: tuple[int, int],
+        rooms: tuple[int, int],
+    ) -> None:
+        """Serve a call whose input has ``counts`` values and containers (at most), within the
+        ``rooms`` the session had for them when they were counted."""
+        values, containers = counts
+        if values > rooms[0]:
+            self._engine.send_result(self.key, call_id, False, PENDING_VALUES_TOO_MANY)
             return
-        values = containers = 0
-        if input_json is not None:
-            value_room = MAX_PENDING_INPUT_VALUES - self._session.pending_input_values
-            container_room = MAX_PENDING_INPUT_CONTAINERS - self._session.pending_input_containers
-            values, containers = _json_counts(input_json, value_room, container_room)
-            if values > value_room:
-                self._engine.send_result(self.key, call_id, False, PENDING_VALUES_TOO_MANY)
-                return
-            if containers > container_room:
-                self._engine.send_result(self.key, call_id, False, PENDING_CONTAINERS_TOO_MANY)
-                return
+        if containers > rooms[1]:
+            self._engine.send_result(self.key, call_id, False, PENDING_CONTAINERS_TOO_MANY)
+            return
         try:
             arguments = None if input_json is None else _decoded_input(input_json)
         except (msgspec.DecodeError, RecursionError):  # the prelude bounds depth; the engine
@@ -488,6 +523,7 @@ class Cell:
         if task is not None:  # an eagerly started tool may already have answered
             self._calls[call_id] = (task, token)
             self._issue(token)
+            size = 0 if input_json is None else len(input_json)
             self._session.hold_callback(task, size, values, containers)
 
     def _settle_call(self, call_id: str, token: CancellationToken, result: CallbackResult) -> None:

@@ -96,7 +96,9 @@ class CellEvents(Protocol):
 
     def on_started(self) -> None: ...
     def on_item(self, item: ContentItem) -> None: ...
-    def on_call(self, call_id: str, tool: int, input_json: str | None) -> None: ...
+    def on_call(
+        self, call_id: str, tool: int, input_json: str | None
+    ) -> asyncio.Future[None] | None: ...
     def on_notify(self, text: str) -> None: ...
     def on_yield(self, turn: int) -> None: ...
     def on_done(
@@ -263,6 +265,12 @@ DISPATCH_SLICE: Final = 0.005
 #: again (the decoding of a large frame, a large message): long enough for tasks of other sessions
 #: woken meanwhile to run first, short against what the overrun cost.
 OVERRUN_PAUSE: Final = 0.001
+#: From this many characters on, what Python does with a message's text before it hands it on
+#: (a tool input's counts, a store's writes decoded) runs on a worker thread while the engine's
+#: later messages wait (:attr:`NodeEngine.deferrable`). Its passes are separate C calls, between which
+#: the GIL, and so the event loop every session shares, goes to whoever waits for it: one stretch
+#: of them all becomes one stretch per pass.
+THREAD_CHARS: Final = 1024 * 1024
 #: What one read of the engine's stdout asks for. asyncio's pipes read 256 KiB at a time, which
 #: the allocator serves with mmap/munmap per read (≈15 µs on the development VM against ≈1 µs for
 #: 64 KiB): that was a quarter of the Python side of a nested call. Frames of any size still
@@ -308,8 +316,10 @@ class _EngineOutput(asyncio.Protocol):
         if self._later is not None:
             self._later.cancel()  # this is that slice, or dispatching all at once replaces it
             self._later = None
-        if self._discarded:
-            return  # the engine is gone: its cells were told already
+        if self._discarded or (engine._waiting is not None and not whole):
+            return  # the engine is gone (its cells were told already), or a message's handling
+            # is not done yet (its end resumes dispatching)
+        transport = self._transport
         deadline = None if whole else time.perf_counter() + DISPATCH_SLICE
         more = False  # out of time with messages left (perhaps only frames not decoded yet)
         engine._dispatching = True
@@ -333,6 +343,8 @@ class _EngineOutput(asyncio.Protocol):
                 self._next = engine._dispatch(self._batch, self._next, deadline)
                 if self._discarded:
                     return  # a breach or an exit while dispatching
+                if engine._waiting is not None and not whole:
+                    break  # a message's handling goes on off the loop: the rest waits for it
                 if self._next < len(self._batch):
                     more = True
                     break
@@ -341,8 +353,12 @@ class _EngineOutput(asyncio.Protocol):
             return
         finally:
             engine._dispatching = False
-        transport = self._transport
-        if more and not whole:
+        waiting = None if whole else engine._waiting
+        if waiting is not None:
+            if transport is not None and transport.is_reading():
+                transport.pause_reading()
+            waiting.add_done_callback(self._resume)
+        elif more and not whole:
             if transport is not None and transport.is_reading():
                 transport.pause_reading()
             loop = asyncio.get_running_loop()
@@ -358,6 +374,11 @@ class _EngineOutput(asyncio.Protocol):
             transport.resume_reading()
         if engine._flush_scheduled:
             engine._flush()
+
+    def _resume(self, waited: asyncio.Future[None]) -> None:
+        if self._engine._waiting is waited:
+            self._engine._waiting = None
+            self.dispatch()
 
     def discard(self) -> None:
         """Drop what was not dispatched (the engine is gone)."""
@@ -443,6 +464,10 @@ class NodeEngine:
         self._results: dict[int, list[Any]] = {}
         self._flush_scheduled = False
         self._dispatching = False
+        #: Whether the message being handled may go on in a task (:attr:`deferrable`), and the
+        #: task the engine's later messages wait for.
+        self._deferrable = False
+        self._waiting: asyncio.Future[None] | None = None
         self._closed = False
         self._exit_reason = "the JavaScript engine process exited"
         self._exit_kind = "crashed"
@@ -681,6 +706,7 @@ class NodeEngine:
         self._outbox.clear()
         self._results.clear()
         self._held_writes.clear()
+        self._waiting = None  # what a handler still does off the loop finds the engine gone
         cells, self._cells = self._cells, {}
         for events in cells.values():
             events.on_exited(self._exit_kind, self._exit_reason)
@@ -857,19 +883,32 @@ class NodeEngine:
             events = cells.get(message.cell)
             if events is None:
                 continue  # a cell that already ended (or never was): nothing to tell
+            self._deferrable = deadline is not None
             try:
-                self._deliver(message, events)
+                waiting = self._deliver(message, events)
             except EngineBreach:
                 raise
             except Exception:  # a bug in one cell's handler must not stop the others
                 logger.exception("codemode engine: failed to handle %s", type(message).__name__)
+            else:
+                if waiting is not None:
+                    self._waiting = waiting
+                    break
+            finally:
+                self._deferrable = False
         return index
 
-    def _deliver(self, message: _EngineMessage, events: CellEvents) -> None:
+    @property
+    def deferrable(self) -> bool:
+        """Whether the message being handled may be handled on in a task that the engine's later
+        messages wait for (not while the output of an exited child is drained at once)."""
+        return self._deferrable
+
+    def _deliver(self, message: _EngineMessage, events: CellEvents) -> asyncio.Future[None] | None:
         if isinstance(message, _Item):
             events.on_item(_item(message))
         elif isinstance(message, _Call):
-            events.on_call(message.id, message.tool, message.input)
+            return events.on_call(message.id, message.tool, message.input)
         elif isinstance(message, _Notify):
             events.on_notify(message.text)
         elif isinstance(message, _Started):
@@ -879,19 +918,44 @@ class NodeEngine:
         elif isinstance(message, _Done):
             if message.writes != "[]":
                 self._held_writes.add(message.cell)  # host.js keeps them (commit_writes)
-            # Checked here (a malformed text is a breach); too many entries are refused before
-            # they are decoded, as host.js refuses them.
-            if not _write_entries_within(message.writes, MAX_WRITE_ENTRIES):
-                events.on_done(WRITES_TOO_MANY, [], None)
-                return
-            try:
-                writes = _WRITES.decode(message.writes)
-            except (msgspec.DecodeError, UnicodeError, RecursionError) as error:
-                raise EngineBreach(f"malformed store writes: {error}") from None
-            events.on_done(message.error, writes, message.call)
+            if self._deferrable and len(message.writes) >= THREAD_CHARS:
+                return asyncio.ensure_future(self._done_off_loop(message, events))
+            writes = _decoded_writes(message.writes)
+            self._done(message, events, writes)
         elif isinstance(message, _Exited):
             del self._cells[message.cell]
             events.on_exited(message.reason, message.detail)
+        return None
+
+    async def _done_off_loop(self, message: _Done, events: CellEvents) -> None:
+        try:
+            writes = await asyncio.to_thread(_decoded_writes, message.writes)
+        except EngineBreach as breach:
+            self._breach(str(breach))
+            return
+        if self._cells.get(message.cell) is events:  # else the engine is gone: the cell was told
+            try:
+                self._done(message, events, writes)
+            except Exception:
+                logger.exception("codemode engine: failed to handle _Done")
+
+    @staticmethod
+    def _done(message: _Done, events: CellEvents, writes: list[tuple[str, str]] | None) -> None:
+        if writes is None:
+            events.on_done(WRITES_TOO_MANY, [], None)
+        else:
+            events.on_done(message.error, writes, message.call)
+
+
+def _decoded_writes(text: str) -> list[tuple[str, str]] | None:
+    """A ``done``'s store writes, decoded (malformed: a breach), or ``None`` when they hold more
+    entries than host.js lets out (counted before anything is decoded)."""
+    if not _write_entries_within(text, MAX_WRITE_ENTRIES):
+        return None
+    try:
+        return _WRITES.decode(text)
+    except (msgspec.DecodeError, UnicodeError, RecursionError) as error:
+        raise EngineBreach(f"malformed store writes: {error}") from None
 
 
 def _resident_bytes(pid: int) -> int | None:
