@@ -28,7 +28,10 @@ from codemode.host.websocket import WebSocketHost
 from codemode.protocol.constants import MAX_WEBSOCKET_MESSAGE_BYTES
 from codemode.protocol.grpc import v1_pb2 as pb
 from codemode.protocol.grpc.constants import SERVICE_PATH_PREFIX
+from codemode.protocol.v1.codec import encode_frame
+from codemode.protocol.v1.messages import OperationRequest, SessionOpen
 from codemode.runtime import LocalSessionProvider
+from codemode.runtime.engine import NodeEngine
 from codemode.transports.websocket import WRITE_HIGH_WATER
 from tests import rawws
 from tests.host.test_grpc import CHANNEL_OPTIONS, _execute, _open, _outcome, _started, _texts
@@ -186,6 +189,63 @@ async def test_a_bulk_upgrade_that_fails_after_its_token_check_leaks_nothing(
         await eventually(lambda: not host._served)
         gc.collect()
         assert len(host._bulk) == 0, "the refused bulk connection is still held"
+        await still_serving(host.url)
+
+
+def _engine_children() -> list[int]:
+    """Live (not zombie) Node processes whose parent is this test's process: its engines."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                command = cmdline.read()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"host.js" in command:
+            found.append(int(entry))
+    return found
+
+
+@pytest.mark.timeout(60)
+async def test_a_client_gone_while_its_cells_take_engines_leaves_no_engine_running(
+    provider: LocalSessionProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finding: a client that sent its first executes and vanished while their sessions' engines
+    were starting left those engine processes running for ever, held by no session (seen on the
+    CLI host: 7-11 idle Node processes after six such clients): the end of the connection
+    cancelled the execute half-way through the engine's start. Now the start finishes and the
+    engine is closed. Here each start takes 0.5 s longer once its child runs, so that the
+    client is sure to vanish in the middle of it."""
+    start = NodeEngine.start
+
+    async def slow_start(engine: NodeEngine) -> None:
+        await start(engine)
+        await asyncio.sleep(0.5)
+
+    monkeypatch.setattr(NodeEngine, "start", slow_start)
+    async with listening(provider) as host:
+        control = await open_single(host.url)
+        # Each open and its execute in one write: the host reads them together, and the
+        # execute, not the session's opening, takes the engine.
+        for number in range(3):
+            session = f"s{number}"
+            await control.ws.send_raw(
+                b"".join(
+                    rawws.encode_frame(Opcode.BINARY, encode_frame(message))
+                    for message in (
+                        OperationRequest(10 + number, SessionOpen(session)),
+                        execute(20 + number, session, "while (true) {}", yield_ms=0),
+                    )
+                )
+            )
+        await eventually(lambda: len(_engine_children()) >= 3)
+        control.ws.abort()
+        await eventually(lambda: not host._served)
+        await eventually(lambda: not _engine_children(), timeout=10)
         await still_serving(host.url)
 
 

@@ -157,11 +157,15 @@ class EnginePool:
         if engine is None:
             self._make_room(reclaim)
             self._held += 1
+            engine = self._new()
+            # Shielded: a start cancelled half-way (its caller's connection ended) would leave
+            # its child running, held by nothing; it finishes, and the engine is then closed.
+            starting = asyncio.ensure_future(engine.start())
             try:
-                engine = self._new()
-                await engine.start()
+                await asyncio.shield(starting)
             except BaseException:
                 self._held -= 1
+                starting.add_done_callback(lambda _: _close_started(engine, starting))
                 raise
         else:
             self._held += 1
@@ -250,6 +254,13 @@ class EnginePool:
 
 
 _closing: set[asyncio.Task[None]] = set()  # strong references until each close is done
+
+
+def _close_started(engine: NodeEngine, starting: asyncio.Future[None]) -> None:
+    """Close an engine whose taker gave up while it started (its start's outcome is dropped)."""
+    if not starting.cancelled():
+        starting.exception()
+    _close_in_background(engine)
 
 
 def _close_in_background(engine: NodeEngine) -> asyncio.Future[None]:
