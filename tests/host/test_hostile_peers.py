@@ -29,7 +29,16 @@ from codemode.protocol.constants import MAX_WEBSOCKET_MESSAGE_BYTES
 from codemode.protocol.grpc import v1_pb2 as pb
 from codemode.protocol.grpc.constants import SERVICE_PATH_PREFIX
 from codemode.protocol.v1.codec import encode_frame
-from codemode.protocol.v1.messages import OperationRequest, SessionOpen
+from codemode.protocol.v1.messages import (
+    OperationRequest,
+    OperationResponse,
+    SessionClosed,
+    SessionOpen,
+    SessionReady,
+    SessionShutdown,
+    WireError,
+    WireOk,
+)
 from codemode.runtime import LocalSessionProvider
 from codemode.runtime.engine import NodeEngine
 from codemode.transports.websocket import WRITE_HIGH_WATER
@@ -247,6 +256,47 @@ async def test_a_client_gone_while_its_cells_take_engines_leaves_no_engine_runni
         await eventually(lambda: not host._served)
         await eventually(lambda: not _engine_children(), timeout=10)
         await still_serving(host.url)
+
+
+@pytest.mark.timeout(60)
+async def test_a_shutdown_read_with_its_open_and_execute_while_the_engine_starts_leaves_none(
+    provider: LocalSessionProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Probe (no finding): session/open, session/execute and session/shutdown of one session in
+    one read, while the engine the execute takes is still starting: every request is answered
+    (the execute with C9), the engine does not outlive the session, and the connection goes on."""
+    start = NodeEngine.start
+
+    async def slow_start(engine: NodeEngine) -> None:
+        await start(engine)
+        await asyncio.sleep(0.3)
+
+    monkeypatch.setattr(NodeEngine, "start", slow_start)
+    async with listening(provider) as host:
+        control = await open_single(host.url)
+        for number in range(3):
+            session = f"s{number}"
+            await control.ws.send_raw(
+                b"".join(
+                    rawws.encode_frame(Opcode.BINARY, encode_frame(message))
+                    for message in (
+                        OperationRequest(10 + number, SessionOpen(session)),
+                        execute(20 + number, session, "while (true) {}", yield_ms=0),
+                        OperationRequest(30 + number, SessionShutdown(session)),
+                    )
+                )
+            )
+        answers: dict[int, object] = {}
+        while len(answers) < 9:
+            reply = await control.receive(10)
+            assert isinstance(reply, OperationResponse), reply
+            answers[reply.id] = reply.result
+        for number in range(3):
+            assert answers[10 + number] == WireOk(SessionReady(f"s{number}"))
+            assert answers[20 + number] == WireError("code mode session is shutting down")
+            assert answers[30 + number] == WireOk(SessionClosed(f"s{number}"))
+        await eventually(lambda: len(_engine_children()) <= 1, timeout=10)
+        await open_session(control, 40)
 
 
 # -- gRPC ------------------------------------------------------------------------------------------
