@@ -30,6 +30,7 @@ from codemode.protocol.grpc import v1_pb2 as pb
 from codemode.protocol.grpc.constants import SERVICE_PATH_PREFIX
 from codemode.protocol.v1.codec import encode_frame
 from codemode.protocol.v1.messages import (
+    ClientToHost,
     OperationRequest,
     OperationResponse,
     SessionClosed,
@@ -48,6 +49,7 @@ from tests.host.test_websocket import (
     FOREVER,
     HOST_LOG,
     S1,
+    V1Socket,
     eventually,
     execute,
     listening,
@@ -219,6 +221,25 @@ def _engine_children() -> list[int]:
     return found
 
 
+def slow_engine_starts(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Each engine start takes ``seconds`` longer once its child runs (a client can then be
+    made to vanish in the middle of it)."""
+    start = NodeEngine.start
+
+    async def slow_start(engine: NodeEngine) -> None:
+        await start(engine)
+        await asyncio.sleep(seconds)
+
+    monkeypatch.setattr(NodeEngine, "start", slow_start)
+
+
+async def send_together(control: V1Socket, *messages: ClientToHost) -> None:
+    """``messages`` in one write (one WebSocket message each): the host reads them together."""
+    await control.ws.send_raw(
+        b"".join(rawws.encode_frame(Opcode.BINARY, encode_frame(m)) for m in messages)
+    )
+
+
 @pytest.mark.timeout(60)
 async def test_a_client_gone_while_its_cells_take_engines_leaves_no_engine_running(
     provider: LocalSessionProvider, monkeypatch: pytest.MonkeyPatch
@@ -229,27 +250,17 @@ async def test_a_client_gone_while_its_cells_take_engines_leaves_no_engine_runni
     cancelled the execute half-way through the engine's start. Now the start finishes and the
     engine is closed. Here each start takes 0.5 s longer once its child runs, so that the
     client is sure to vanish in the middle of it."""
-    start = NodeEngine.start
-
-    async def slow_start(engine: NodeEngine) -> None:
-        await start(engine)
-        await asyncio.sleep(0.5)
-
-    monkeypatch.setattr(NodeEngine, "start", slow_start)
+    slow_engine_starts(monkeypatch, 0.5)
     async with listening(provider) as host:
         control = await open_single(host.url)
         # Each open and its execute in one write: the host reads them together, and the
         # execute, not the session's opening, takes the engine.
         for number in range(3):
             session = f"s{number}"
-            await control.ws.send_raw(
-                b"".join(
-                    rawws.encode_frame(Opcode.BINARY, encode_frame(message))
-                    for message in (
-                        OperationRequest(10 + number, SessionOpen(session)),
-                        execute(20 + number, session, "while (true) {}", yield_ms=0),
-                    )
-                )
+            await send_together(
+                control,
+                OperationRequest(10 + number, SessionOpen(session)),
+                execute(20 + number, session, "while (true) {}", yield_ms=0),
             )
         await eventually(lambda: len(_engine_children()) >= 3)
         control.ws.abort()
@@ -265,26 +276,16 @@ async def test_a_shutdown_read_with_its_open_and_execute_while_the_engine_starts
     """Probe (no finding): session/open, session/execute and session/shutdown of one session in
     one read, while the engine the execute takes is still starting: every request is answered
     (the execute with C9), the engine does not outlive the session, and the connection goes on."""
-    start = NodeEngine.start
-
-    async def slow_start(engine: NodeEngine) -> None:
-        await start(engine)
-        await asyncio.sleep(0.3)
-
-    monkeypatch.setattr(NodeEngine, "start", slow_start)
+    slow_engine_starts(monkeypatch, 0.3)
     async with listening(provider) as host:
         control = await open_single(host.url)
         for number in range(3):
             session = f"s{number}"
-            await control.ws.send_raw(
-                b"".join(
-                    rawws.encode_frame(Opcode.BINARY, encode_frame(message))
-                    for message in (
-                        OperationRequest(10 + number, SessionOpen(session)),
-                        execute(20 + number, session, "while (true) {}", yield_ms=0),
-                        OperationRequest(30 + number, SessionShutdown(session)),
-                    )
-                )
+            await send_together(
+                control,
+                OperationRequest(10 + number, SessionOpen(session)),
+                execute(20 + number, session, "while (true) {}", yield_ms=0),
+                OperationRequest(30 + number, SessionShutdown(session)),
             )
         answers: dict[int, object] = {}
         while len(answers) < 9:

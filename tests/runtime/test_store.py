@@ -132,9 +132,8 @@ async def test_a_store_larger_than_a_cells_heap_limit_is_still_read(
     assert await run(session, "text(String(load('absent')))") == ["undefined"]
 
 
-async def test_an_exec_carries_no_store_and_a_commit_sends_only_its_writes(
-    provider: LocalSessionProvider, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def recorded_engine_messages(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Every message Python sends to an engine from now on, in order (they are still sent)."""
     sent: list[dict[str, Any]] = []
     original = engine.NodeEngine._send
 
@@ -143,6 +142,13 @@ async def test_an_exec_carries_no_store_and_a_commit_sends_only_its_writes(
         original(self, message)
 
     monkeypatch.setattr(engine.NodeEngine, "_send", record)
+    return sent
+
+
+async def test_an_exec_carries_no_store_and_a_commit_sends_only_its_writes(
+    provider: LocalSessionProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sent = recorded_engine_messages(monkeypatch)
     session = await provider.create_session(CodeModeSessionDelegate())
     await run(session, "store('big', 'b'.repeat(100000))")
     sent.clear()
@@ -164,14 +170,7 @@ async def test_writes_the_engine_keeps_are_committed_or_dropped_there(
     # ones are applied to its copy of the store, refused ones forgotten (not kept for ever).
     from codemode.runtime import session as session_module
 
-    sent: list[dict[str, Any]] = []
-    original = engine.NodeEngine._send
-
-    def record(self: engine.NodeEngine, message: Any) -> None:
-        sent.append(message)
-        original(self, message)
-
-    monkeypatch.setattr(engine.NodeEngine, "_send", record)
+    sent = recorded_engine_messages(monkeypatch)
     monkeypatch.setattr(session_module, "MAX_STORE_CHARS", 1000)
     session = await provider.create_session(CodeModeSessionDelegate())
     await run(session, "store('a', 'x'.repeat(600))")
