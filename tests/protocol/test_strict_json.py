@@ -189,3 +189,23 @@ def test_a_large_text_leaves_the_collector_as_it_found_it(collecting: bool, text
         assert gc.isenabled() is collecting
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        b'{"a\\u003ab":1,"a\\u003Ab":2}',
+        b'{"\\\\u003a":1,"\\\\u003a":2}',  # an escaped backslash, then plain text: no colon
+        b'{"x":"\\u003a\\u003a","x":1}',
+    ],
+)
+def test_escaped_colons_do_not_hide_a_duplicate(text: bytes) -> None:
+    with pytest.raises(JSONError, match="duplicate"):
+        loads(text)
+    padded = b'{"pad":"' + b"x" * LARGE_PAYLOAD_BYTES + b'","v":' + text + b"}"
+    with pytest.raises(JSONError):
+        loads(padded)
+
+
+def test_escaped_colons_without_a_duplicate_are_accepted() -> None:
+    assert loads(b'{"a\\u003a":"\\u003A:","\\\\u003a":1}') == {"a:": "::", "\\u003a": 1}

@@ -5,10 +5,10 @@ that overflow a double and lone surrogate escapes. The one rule it does not chec
 the same key twice", so this module adds that check without a second parse in the common case:
 
 A key is always followed by one ``:`` outside any string; every other ``:`` in the text sits inside a
-string. Re-encoding the decoded value writes every key once and every string's colons literally, so
-the source has exactly as many colons as the re-encoding unless a duplicate key collapsed (fewer
-colons in the re-encoding) or the source spelled a colon as an escape (``\\u003a``, which the cheap
-test can not see). Only in those two cases is the text parsed again, slowly, to find the duplicate.
+string, written literally or as an escape (``\\u003a``). Re-encoding the decoded value writes every
+key once and every string's colons literally, so the source's colons and colon escapes together
+number exactly the re-encoding's colons unless a duplicate key collapsed. Only then is the text
+parsed again, slowly (by jiter for a large text), to find the duplicate.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ _MSGPACK: Final = msgspec.msgpack.Encoder()
 # exact walk then clears.
 _NON_FINITE_FLOAT64: Final = re.compile(rb"\xcb[\x7f\xff][\xf0-\xff]")
 
+# A colon written as an escape (``\\u003a``), its backslash not itself escaped.
+_ESCAPED_COLON: Final = re.compile(rb"(?<!\\)(?:\\\\)*\\u003[aA]")
 # A high surrogate escape not followed by a low one, its backslash not itself escaped.
 _UNPAIRED_HIGH_SURROGATE: Final = re.compile(
     rb"(?<!\\)(?:\\\\)*(\\u[dD][89abAB][0-9a-fA-F]{2})(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
@@ -82,17 +84,30 @@ def _find_duplicate_slowly(text: bytes) -> None:
         raise JSONError(str(error)) from None
 
 
-def check_no_duplicate_keys(text: bytes | bytearray, decoded: Any) -> None:
+def check_no_duplicate_keys(
+    text: bytes | bytearray, decoded: Any, encoded: bytes | None = None
+) -> None:
     """Raise :class:`JSONError` if ``text`` (already decoded as ``decoded``) repeats a key.
 
-    ``decoded`` may be any msgspec-encodable value decoded from exactly that text, typed or not.
+    ``decoded`` may be any msgspec-encodable value decoded from exactly that text, typed or not
+    (a typed value must not write a key its text lacked); ``encoded`` is its canonical encoding,
+    when the caller already made it.
     """
-    if text.find(b"\\u003") == -1:
-        try:
-            if text.count(b":") == _ENCODER.encode(decoded).count(b":"):
-                return
-        except (TypeError, ValueError, OverflowError):
-            pass
+    try:
+        if encoded is None:
+            encoded = _ENCODER.encode(decoded)
+    except (TypeError, ValueError, OverflowError):
+        pass
+    else:
+        colons = text.count(b":")
+        if text.find(b"\\u003") != -1:
+            # A colon spelled as an escape is written literally by the encoder.
+            colons += len(_ESCAPED_COLON.findall(text))
+        if colons == encoded.count(b":"):
+            return
+    if len(text) >= LARGE_PAYLOAD_BYTES:
+        loads_large(bytes(text))  # a parse in Python would take seconds
+        return
     _find_duplicate_slowly(bytes(text))
 
 
