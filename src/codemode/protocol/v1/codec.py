@@ -58,6 +58,8 @@ _NOT_BRACKETS: Final = bytes(b for b in range(256) if b not in b"[]{}")
 _NOT_BRACKETS_OR_QUOTES: Final = bytes(b for b in range(256) if b not in b'[]{}"')
 _SQUARE: Final = bytes.maketrans(b"{}", b"[]")
 _RUNS: Final = re.compile(rb"\[+|\]+")
+# A large payload with fewer commas than one per this many bytes holds few values.
+_FEW_VALUES: Final = 32
 
 
 class _Sentinel:
@@ -163,10 +165,12 @@ class MessageDecoder(Generic[M]):
                 payload = data[start:stop]
         if len(payload) < LARGE_PAYLOAD_BYTES:
             return self._decode_typed(payload)
-        if not self._typed:
+        if not self._typed or payload.count(b",") < len(payload) // _FEW_VALUES:
+            # Few values (mostly long strings): jiter's parse and a conversion of those few
+            # objects beat a typed decode followed by a re-encoding for the duplicate-key check.
             return self._decode_large(bytes(payload))
-        # A typed decode makes only the message's own objects (a generic parse and a conversion
-        # took 4-6 times as long for a frame of many small values).
+        # Many values: a typed decode makes only the message's own objects (a generic parse and
+        # a conversion took 4-6 times as long for a frame of many small values).
         with collector_paused():
             return self._decode_typed(payload)
 
@@ -213,13 +217,21 @@ class MessageDecoder(Generic[M]):
 
     def _decode_large(self, payload: bytes) -> M:
         # jiter checks duplicate keys while parsing and scans long strings far faster than a
-        # generic msgspec parse followed by a second pass over the text would.
+        # parse followed by a second pass over the text would.
         try:
             value = loads_large(payload)
         except JSONError as error:
             raise FrameError(FrameErrorKind.INVALID_JSON, _DECODE_PREFIX + str(error)) from None
         self._check_depth(payload)
-        return value  # type: ignore[no-any-return]
+        if not self._typed:
+            return value  # type: ignore[no-any-return]
+        try:
+            message: M = msgspec.convert(value, self._type)
+        except msgspec.ValidationError as error:
+            raise FrameError(
+                FrameErrorKind.INVALID_MESSAGE, _DECODE_PREFIX + _validation_detail(error)
+            ) from None
+        return self._check_revision(message)
 
 
 def _check_json(payload: bytes | bytearray) -> None:
