@@ -164,7 +164,7 @@ class MessageDecoder(Generic[M]):
                 # Copying a small payload is cheaper than exporting a view of it.
                 payload = data[start:stop]
         if len(payload) < LARGE_PAYLOAD_BYTES:
-            return self._decode_typed(payload)
+            return self._decode_msgspec(payload)
         if not self._typed or payload.count(b",") < len(payload) // _FEW_VALUES:
             # Few values (mostly long strings): jiter's parse and a conversion of those few
             # objects beat a typed decode followed by a re-encoding for the duplicate-key check.
@@ -172,9 +172,9 @@ class MessageDecoder(Generic[M]):
         # Many values: a typed decode makes only the message's own objects (a generic parse and
         # a conversion took 4-6 times as long for a frame of many small values).
         with collector_paused():
-            return self._decode_typed(payload)
+            return self._decode_msgspec(payload)
 
-    def _decode_typed(self, payload: bytes | bytearray) -> M:
+    def _decode_msgspec(self, payload: bytes | bytearray) -> M:
         try:
             message = self._decoder.decode(payload)
         except msgspec.ValidationError as error:
