@@ -50,6 +50,7 @@ from tests.host.test_websocket import (
     HOST_LOG,
     S1,
     V1Socket,
+    bulk_address,
     eventually,
     execute,
     listening,
@@ -200,6 +201,40 @@ async def test_a_bulk_upgrade_that_fails_after_its_token_check_leaks_nothing(
         await eventually(lambda: not host._served)
         gc.collect()
         assert len(host._bulk) == 0, "the refused bulk connection is still held"
+        await still_serving(host.url)
+
+
+@pytest.mark.timeout(30)
+async def test_a_bulk_socket_accepted_as_its_pairing_expires_is_closed_at_once(
+    provider: LocalSessionProvider,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Finding: the token is taken when the upgrade is read, and the socket is served only after
+    the handshake's answer has gone out; a pairing that expired in between (§7.3: the control
+    connection ends) met a bulk socket accepted anyway. The handler then failed on the expired
+    pairing (`InvalidStateError`, logged as an error, the socket closed 1011), or, once the
+    control socket had gone, attached the bulk socket to it and kept it open. Now the late bulk
+    socket is closed at once and nothing fails."""
+    caplog.set_level(logging.INFO)
+    monkeypatch.setattr("codemode.host.v1.BULK_PAIRING_TIMEOUT", 0.3)
+    async with listening(provider) as host:
+        serve_bulk = host._serve_bulk
+
+        async def late(connection: Any, pairing: Any) -> None:
+            # The answer of the upgrade is out; the handler starts after the pairing expired.
+            await eventually(pairing.arrived.done)
+            await serve_bulk(connection, pairing)
+
+        monkeypatch.setattr(host, "_serve_bulk", late)
+        control, token = await open_dual(host.url)
+        bulk = V1Socket(await rawws.connect(bulk_address(host.url, token)))
+        await control.expect_closed(5.0)
+        closing = await bulk.expect_closed(5.0)
+        assert closing is None or closing.close_code == 1000, closing
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert not errors, [r.getMessage() for r in errors]
+        await eventually(lambda: not host._served)
         await still_serving(host.url)
 
 

@@ -185,6 +185,11 @@ class WebSocketHost:
         await self._serve_control(connection)
 
     async def _serve_bulk(self, connection: ServerConnection, pairing: _Pairing) -> None:
+        if pairing.arrived.done():
+            # The pairing expired (or its control socket ended) between the upgrade's token
+            # check and this handler: the answer had gone out, so the socket is closed instead.
+            await connection.close()
+            return
         try:
             pairing.transport.attach_bulk(connection)
         except TransportError:
