@@ -15,6 +15,7 @@ from codemode.protocol.v1 import WireRevision
 from codemode.protocol.v1.revision import AUTO_REVISION
 from codemode.runtime import LocalSessionProvider
 from codemode.runtime.engine import DEFAULT_MEMORY_CAP_BYTES
+from codemode.runtime.session import DEFAULT_MAX_HELD_CHARS
 
 __all__ = [
     "LOOPS",
@@ -149,6 +150,7 @@ def local_provider(
         store_load=store_load,
         warm_engines=warm_engines,
         max_engines=getattr(args, "max_engines", None) or None,
+        max_held_chars=getattr(args, "max_held_chars", DEFAULT_MAX_HELD_CHARS) or None,
         console=args.console,
         shared_engine=args.shared_engine,
         memory_cap_bytes=args.memory_cap,

@@ -37,7 +37,7 @@ from codemode.protocol.constants import (
     SHUTDOWN_TIMEOUT,
 )
 from codemode.runtime.engine import log_confinement
-from codemode.runtime.session import DEFAULT_MAX_ENGINES
+from codemode.runtime.session import DEFAULT_MAX_ENGINES, DEFAULT_MAX_HELD_CHARS
 from codemode.transports import StreamTransport, stdio_transport
 
 if TYPE_CHECKING:
@@ -398,6 +398,15 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="engine processes at once, over all connections (one per session; at the bound an "
         "idle session's engine is taken back, and a cell that finds every engine busy is refused; "
         "0: no bound)",
+    )
+    host.add_argument(
+        "--max-held-chars",
+        type=non_negative,
+        default=DEFAULT_MAX_HELD_CHARS,
+        metavar="N",
+        help="characters the cells of all sessions may make the host hold at once: stores, "
+        "output not yet observed, tool inputs not yet answered (what would pass it is refused "
+        "as at a session's own bounds; default: a quarter of the machine's memory; 0: no bound)",
     )
     host.add_argument(
         "--max-sessions",

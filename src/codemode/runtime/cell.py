@@ -410,13 +410,18 @@ class Cell:
             return
         size = _item_chars(item)
         session = self._session
-        if session.buffered_output + size > MAX_SESSION_BUFFERED_OUTPUT_CHARS:
+        over = session.buffered_output + size > MAX_SESSION_BUFFERED_OUTPUT_CHARS
+        if over or size > session.held.room():
             # The item is not taken (one kept per cell would let 128 cells pass the bound by 16
             # Mi characters each): its cell ends as at its own bound, with what it had buffered;
             # the other cells keep theirs (counted) until observed.
             if running:
                 self._engine.terminate(self.key)
-                self._end(_session_output_too_large())
+                self._end(
+                    _session_output_too_large()
+                    if over
+                    else f"exec cell output exceeds {session.held.refusal()}"
+                )
             return
         self._items.append(item)
         self._buffered += size
@@ -457,8 +462,8 @@ class Cell:
         # Each unsettled input stays in this process (its text and its decoded value) until its
         # tool answers: with a slow tool, 1,024 large inputs would exhaust the host's memory.
         size = 0 if input_json is None else len(input_json)
-        if self._session.pending_input_chars + size > MAX_PENDING_INPUT_CHARS:
-            self._engine.send_result(self.key, call_id, False, PENDING_INPUTS_TOO_LARGE)
+        if (refusal := self._input_refusal(size)) is not None:
+            self._engine.send_result(self.key, call_id, False, refusal)
             return None
         if input_json is None:
             self._admit(call_id, tool, None, counts=(0, 0), rooms=(0, 0))
@@ -544,6 +549,16 @@ class Cell:
             return
         self._engine.send_result(self.key, call_id, True, msgspec.Raw(encoded), alone=alone)
 
+    def _input_refusal(self, size: int) -> str | None:
+        """Why a tool input or notification text of ``size`` characters may not be held until it
+        is settled (``None``: it may)."""
+        session = self._session
+        if session.pending_input_chars + size > MAX_PENDING_INPUT_CHARS:
+            return PENDING_INPUTS_TOO_LARGE
+        if size > session.held.room():
+            return f"tool call refused: its input would pass {session.held.refusal()}"
+        return None
+
     def on_notify(self, text: str) -> None:
         if self._state is not _State.RUNNING:
             return
@@ -555,8 +570,8 @@ class Cell:
         if self._session.pending_calls >= MAX_PENDING_DELEGATE_CALLS:
             logger.warning("%s", notification_not_delivered(TOO_MANY_CALLBACKS))
             return
-        if self._session.pending_input_chars + len(text) > MAX_PENDING_INPUT_CHARS:
-            logger.warning("%s", notification_not_delivered(PENDING_INPUTS_TOO_LARGE))
+        if (refusal := self._input_refusal(len(text))) is not None:
+            logger.warning("%s", notification_not_delivered(refusal))
             return
         token = CancellationToken()
         call = self._session.delegate.notify(self._call_id, self.cell_id, text, token)
@@ -629,7 +644,10 @@ class Cell:
         session has left (never below :data:`MIN_ERROR_TEXT_ROOM`), or many cells ending
         unobserved with long errors would pass the session's bound."""
         session = self._session
-        room = max(MIN_ERROR_TEXT_ROOM, MAX_SESSION_BUFFERED_OUTPUT_CHARS - session.buffered_output)
+        room = max(
+            MIN_ERROR_TEXT_ROOM,
+            min(MAX_SESSION_BUFFERED_OUTPUT_CHARS - session.buffered_output, session.held.room()),
+        )
         if len(error) > room:
             error = error[:room] + f"\n… (error text cut: {len(error)} characters in all)"
         self._buffered += len(error)

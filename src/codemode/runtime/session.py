@@ -44,7 +44,13 @@ from codemode.protocol.types import (
     WaitRequest,
 )
 from codemode.runtime import confinement
-from codemode.runtime.cell import Cell, EarlyYield
+from codemode.runtime.budget import HeldCharacters, default_held_chars
+from codemode.runtime.cell import (
+    MAX_PENDING_INPUT_CHARS,
+    MAX_SESSION_BUFFERED_OUTPUT_CHARS,
+    Cell,
+    EarlyYield,
+)
 from codemode.runtime.engine import DEFAULT_MEMORY_CAP_BYTES, NodeEngine
 from codemode.session import (
     CodeModeSession,
@@ -55,6 +61,7 @@ from codemode.session import (
 
 __all__ = [
     "DEFAULT_MAX_ENGINES",
+    "DEFAULT_MAX_HELD_CHARS",
     "EnginePool",
     "InvalidLimitsError",
     "LocalSession",
@@ -70,6 +77,14 @@ _ENCODER: Final = msgspec.json.Encoder()
 #: The most a session's store may hold (characters of keys and JSON values, and
 #: :data:`STORE_ENTRY_CHARS` for each key).
 MAX_STORE_CHARS: Final = 256 * 1024 * 1024
+#: The least the characters held for the cells of all a provider's sessions may be limited to by
+#: default: what one session may hold at its own bounds (store, unobserved output, unsettled
+#: inputs), so that a lone session always has the room those bounds promise.
+MIN_HELD_CHARS: Final = (
+    MAX_STORE_CHARS + MAX_SESSION_BUFFERED_OUTPUT_CHARS + MAX_PENDING_INPUT_CHARS
+)
+#: By default a provider's sessions may hold a quarter of the machine's memory (in characters).
+DEFAULT_MAX_HELD_CHARS: Final = default_held_chars(MIN_HELD_CHARS)
 #: What each stored key counts beyond its characters: Python and the engine pay for an entry as
 #: such (≈150 bytes here), so a store of millions of tiny entries is bounded too.
 STORE_ENTRY_CHARS: Final = 256
@@ -294,6 +309,7 @@ class LocalSession(CodeModeSession):
         console: bool = False,
         idle_engine_timeout: float = DEFAULT_IDLE_ENGINE_TIMEOUT,
         on_closed: Callable[[LocalSession], None] | None = None,
+        held: HeldCharacters | None = None,
     ) -> None:
         self._on_closed = on_closed
         # A NodeEngine is shared (and owned by the caller); a pool gives this session its own.
@@ -305,10 +321,12 @@ class LocalSession(CodeModeSession):
         self._preparing: asyncio.Task[NodeEngine] | None = None
         self.pending_calls = 0  # unresolved nested calls and notifications of all cells
         self.callbacks_issued = 0  # nested calls and notifications its cells ever issued
-        self.pending_input_chars = 0  # characters of their inputs and texts (cell.py bounds it)
+        # What the session holds for its cells counts against its provider's shared limit too.
+        self.held = HeldCharacters() if held is None else held
+        self._pending_input_chars = 0
         self.pending_input_values = 0  # JSON values of their inputs (at most; cell.py bounds it)
         self.pending_input_containers = 0  # their arrays and objects (at most; cell.py bounds it)
-        self.buffered_output = 0  # characters its cells hold for observers (cell.py bounds it)
+        self._buffered_output = 0
         self.delegate = delegate
         self.limits = limits or CodeModeSessionCellExecutionLimits()
         check_limits(self.limits)
@@ -327,6 +345,26 @@ class LocalSession(CodeModeSession):
         self._shutting_down = False
         self._shutdown_task: asyncio.Task[None] | None = None
         self._loop = asyncio.get_running_loop()
+
+    @property
+    def pending_input_chars(self) -> int:
+        """Characters of the unsettled tool inputs and notification texts (cell.py bounds it)."""
+        return self._pending_input_chars
+
+    @pending_input_chars.setter
+    def pending_input_chars(self, value: int) -> None:
+        self.held.held += value - self._pending_input_chars
+        self._pending_input_chars = value
+
+    @property
+    def buffered_output(self) -> int:
+        """Characters its cells hold for observers (cell.py bounds it)."""
+        return self._buffered_output
+
+    @buffered_output.setter
+    def buffered_output(self, value: int) -> None:
+        self.held.held += value - self._buffered_output
+        self._buffered_output = value
 
     # -- the session API ---------------------------------------------------------------------------
 
@@ -448,6 +486,11 @@ class LocalSession(CodeModeSession):
             if isinstance(outcome, BaseException) and not cell.closed:
                 logger.warning("shutdown: cell %s: %s", cell.cell_id, outcome)
         self._cancel_idle()
+        async with self._committing:
+            # Its cells are gone and none of it will run again: the store gives its room back.
+            self._store = {}
+            self.held.held -= self._store_chars
+            self._store_chars = 0
         copy, self._store_copy = self._store_copy, None
         if copy is not None and copy[0].generation == copy[1]:
             copy[0].forget_store(self._scope)  # a shared engine outlives the session
@@ -539,7 +582,12 @@ class LocalSession(CodeModeSession):
                     "exec cell store writes were discarded: the session store would exceed "
                     f"{MAX_STORE_CHARS} characters"
                 )
+            if size - self._store_chars > self.held.room():
+                return (
+                    f"exec cell store writes were discarded: they would pass {self.held.refusal()}"
+                )
             self._store.update(merged)
+            self.held.held += size - self._store_chars
             self._store_chars = size
             copy = self._store_copy
             if copy is not None and copy[0].generation == copy[1]:
@@ -660,8 +708,10 @@ class LocalSessionProvider(CodeModeSessionProvider):
     all sessions in one engine process (one trust domain: an escaped cell could reach the other
     sessions' cells). ``memory_cap_bytes`` bounds each engine process, ``max_engines`` how many
     run at once (see :class:`EnginePool`; ``None``: no bound); ``require_confinement``
-    refuses to start engines where an OS confinement layer is unavailable. Close with
-    :meth:`aclose`.
+    refuses to start engines where an OS confinement layer is unavailable. ``max_held_chars``
+    bounds the characters all sessions together hold in this process for their cells (stores,
+    output not yet observed, tool inputs not yet answered; default: a quarter of the machine's
+    memory, at least what one session may hold; ``None``: no bound). Close with :meth:`aclose`.
     """
 
     def __init__(
@@ -676,8 +726,11 @@ class LocalSessionProvider(CodeModeSessionProvider):
         idle_engine_timeout: float = DEFAULT_IDLE_ENGINE_TIMEOUT,
         engine: NodeEngine | None = None,
         max_engines: int | None = DEFAULT_MAX_ENGINES,
+        max_held_chars: int | None = DEFAULT_MAX_HELD_CHARS,
     ) -> None:
         checked_count("warm_engines", warm_engines, minimum=0)
+        #: What the cells of all its sessions hold in this process, against ``max_held_chars``.
+        self.held = HeldCharacters(max_held_chars)
         checked_count("memory_cap_bytes", memory_cap_bytes)
         if max_engines is not None:
             checked_count("max_engines", max_engines)
@@ -721,6 +774,7 @@ class LocalSessionProvider(CodeModeSessionProvider):
             console=self.console,
             idle_engine_timeout=self.idle_engine_timeout,
             on_closed=self._sessions.discard,
+            held=self.held,
         )
         if self.shared_engine is None:
             if self.pool.require_confinement:  # refused at once, as its engine would refuse

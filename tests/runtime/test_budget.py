@@ -1,0 +1,175 @@
+"""The characters all sessions of a provider hold for their cells, bounded together."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator
+
+import pytest
+
+from codemode.client import ProcessOwnedCodeModeSessionProvider
+from codemode.protocol import ExecuteRequest, InputText, Result, Yielded
+from codemode.protocol.types import LiveCell
+from codemode.runtime import LocalSession, LocalSessionProvider
+from codemode.runtime.budget import HeldCharacters, default_held_chars
+from codemode.runtime.session import DEFAULT_MAX_HELD_CHARS, MIN_HELD_CHARS
+from tests.contract.delegate import FIXTURE_TOOLS, RecordingDelegate
+
+pytestmark = pytest.mark.timeout(60)
+
+LIMIT = 1_000_000
+HOST_LIMIT = f"the host's limit of {LIMIT} characters held for the cells of all its sessions"
+#: Over half the limit: two of them do not fit together, one does.
+BIG = 600_000
+
+
+@pytest.fixture
+async def provider() -> AsyncIterator[LocalSessionProvider]:
+    async with LocalSessionProvider(max_held_chars=LIMIT) as provider:
+        yield provider
+
+
+async def start(session: LocalSession, source: str, yield_ms: int = 60_000) -> Result | Yielded:
+    started = await session.execute(
+        ExecuteRequest(
+            tool_call_id="c",
+            source=source,
+            enabled_tools=list(FIXTURE_TOOLS),
+            yield_time_ms=yield_ms,
+        )
+    )
+    response = await started.initial_response()
+    assert isinstance(response, Result | Yielded)
+    return response
+
+
+async def completed(session: LocalSession, source: str) -> Result:
+    response = await start(session, source)
+    assert isinstance(response, Result), response
+    return response
+
+
+def texts(result: Result) -> list[str]:
+    return [item.text for item in result.content_items if isinstance(item, InputText)]
+
+
+def test_the_default_is_a_quarter_of_the_memory_and_never_below_one_session() -> None:
+    assert DEFAULT_MAX_HELD_CHARS == default_held_chars(MIN_HELD_CHARS) >= MIN_HELD_CHARS
+    assert default_held_chars(1 << 60) == 1 << 60
+    assert MIN_HELD_CHARS == (256 + 64 + 128) << 20
+
+
+def test_the_limit_is_checked() -> None:
+    with pytest.raises(ValueError, match="max_held_chars"):
+        HeldCharacters(0)
+    assert HeldCharacters(None).room() > 1 << 60
+    assert HeldCharacters(10).room() == 10
+
+
+async def test_a_store_write_that_would_pass_the_host_limit_is_discarded(
+    provider: LocalSessionProvider,
+) -> None:
+    first = await provider.create_session(RecordingDelegate())
+    second = await provider.create_session(RecordingDelegate())
+    assert (await completed(first, f'store("a", "x".repeat({BIG}))')).error_text is None
+    refused = await completed(second, f'store("b", "y".repeat({BIG})); text("ran")')
+    assert (
+        refused.error_text == f"exec cell store writes were discarded: they would pass {HOST_LIMIT}"
+    )
+    assert texts(refused) == ["ran"]
+    again = await completed(second, 'text(String(load("b")))')
+    assert texts(again) == ["undefined"]  # discarded, not kept in part
+    # A session's own writes that replace its values count only what they add.
+    assert (await completed(first, f'store("a", "z".repeat({BIG}))')).error_text is None
+    # A shut down session's store gives its room back.
+    await first.shutdown()
+    assert provider.held.held == 0
+    assert (await completed(second, f'store("b", "y".repeat({BIG}))')).error_text is None
+    assert provider.held.held > BIG
+
+
+async def test_output_that_would_pass_the_host_limit_ends_its_cell(
+    provider: LocalSessionProvider,
+) -> None:
+    holder = await provider.create_session(RecordingDelegate())
+    other = await provider.create_session(RecordingDelegate())
+    # Output written after the first observation waits for the next one.
+    first = await start(
+        holder,
+        f'await new Promise(r => setTimeout(r, 100)); text("x".repeat({BIG})); '
+        "await new Promise(() => {})",
+        yield_ms=10,
+    )
+    assert isinstance(first, Yielded)
+    while provider.held.held < BIG:
+        await asyncio.sleep(0.01)
+    ended = await completed(other, f'text("a"); text("y".repeat({BIG})); text("b")')
+    assert ended.error_text == f"exec cell output exceeds {HOST_LIMIT}"
+    assert texts(ended) == ["a"]
+    # The holder's cell kept its output, and handing it out gives the room back.
+    outcome = await holder.terminate(first.cell_id)
+    assert isinstance(outcome, LiveCell)
+    assert [len(t) for t in texts(outcome.response)] == [BIG]  # type: ignore[arg-type]
+    assert (await completed(other, f'text("y".repeat({BIG}))')).error_text is None
+    await holder.shutdown()
+    await other.shutdown()
+    assert provider.held.held == 0
+
+
+async def test_a_tool_input_that_would_pass_the_host_limit_is_refused(
+    provider: LocalSessionProvider,
+) -> None:
+    holder = await provider.create_session(RecordingDelegate())
+    other = await provider.create_session(RecordingDelegate())
+    blocked = await start(holder, f'await tools.block({{s: "x".repeat({BIG})}})', yield_ms=10)
+    assert isinstance(blocked, Yielded)
+    while provider.held.held < BIG:
+        await asyncio.sleep(0.01)
+    refused = await completed(
+        other,
+        f'try {{ await tools.echo({{s: "y".repeat({BIG})}}) }} catch (e) {{ text(String(e)) }}',
+    )
+    assert texts(refused) == [f"tool call refused: its input would pass {HOST_LIMIT}"]
+    # Ending the holder's call gives its room back.
+    await holder.terminate(blocked.cell_id)
+    assert provider.held.held == 0
+    echoed = await completed(
+        other, f'text(String((await tools.echo({{s: "y".repeat({BIG})}})).s.length))'
+    )
+    assert texts(echoed) == [str(BIG)]
+    await holder.shutdown()
+    await other.shutdown()
+    assert provider.held.held == 0
+
+
+async def test_without_a_limit_nothing_is_refused() -> None:
+    async with LocalSessionProvider(max_held_chars=None) as provider:
+        sessions = [await provider.create_session(RecordingDelegate()) for _ in range(2)]
+        for session in sessions:
+            result = await completed(session, f'store("a", "x".repeat({BIG})); text("ok")')
+            assert result.error_text is None
+        assert provider.held.held > 2 * BIG
+
+
+async def test_the_host_command_applies_its_limit_over_stdio() -> None:
+    command = [sys.executable, "-m", "codemode", "host", "--stdio", "--max-held-chars", str(LIMIT)]
+    async with ProcessOwnedCodeModeSessionProvider(command) as provider:
+        first = await provider.create_session(RecordingDelegate())
+        second = await provider.create_session(RecordingDelegate())
+        outcomes = []
+        for session, key in ((first, "a"), (second, "b")):
+            started = await session.execute(
+                ExecuteRequest(
+                    tool_call_id="c",
+                    source=f'store("{key}", "x".repeat({BIG})); text("ran")',
+                    yield_time_ms=60_000,
+                )
+            )
+            response = await started.initial_response()
+            assert isinstance(response, Result)
+            outcomes.append(response.error_text)
+        assert outcomes == [
+            None,
+            f"exec cell store writes were discarded: they would pass {HOST_LIMIT}",
+        ]
