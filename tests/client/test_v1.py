@@ -672,6 +672,9 @@ class DualMemoryTransport:
     async def drain(self) -> None:
         return None
 
+    def backlogged(self) -> bool:
+        return False
+
     async def receive(self) -> tuple[bytes, Lane] | None:
         item = await self.incoming.get()
         if isinstance(item, BaseException):

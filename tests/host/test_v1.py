@@ -8,8 +8,9 @@ import contextlib
 import gc
 import json
 import logging
+import os
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ from codemode.protocol.constants import (
     MAX_FRAME_BYTES,
     MAX_PENDING_DELEGATE_CALLS,
 )
+from codemode.protocol.v1.codec import MessageDecoder
 from codemode.protocol.v1.messages import (
     CellClosed,
     ClientToHost,
@@ -36,6 +38,7 @@ from codemode.protocol.v1.messages import (
     DelegateResponseMessage,
     ExecuteInitialResponse,
     ExecutionStarted,
+    HostToClient,
     InvalidHello,
     NoCompatibleVersion,
     NotificationSend,
@@ -73,7 +76,10 @@ from codemode.session import (
     CodeModeSessionDelegate,
     CodeModeSessionProvider,
 )
-from tests.wire import HELLO, RawClient, frame, hello, raw_client, ready
+from codemode.transports.stream import StreamTransport, pipe_transport
+from tests.wire import HELLO, FrameReader, RawClient, frame, hello, raw_client, ready
+
+CLIENT_READ = MessageDecoder[HostToClient](HostToClient)
 
 S1 = "session-1"
 ECHO = WireToolDefinition("echo", WireToolName("echo", None), "", "function", None, None)
@@ -1067,3 +1073,108 @@ async def test_a_cancel_while_the_session_opens_takes_effect(
         ]
         # The cancelled execute was never admitted: no cell was created for it.
         assert await client.execute(4, "text('y')") == "1"
+
+
+# -- back-pressure: a client that does not read -----------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def served_over_pipes(
+    provider: CodeModeSessionProvider,
+) -> AsyncIterator[tuple[int, Callable[[], Awaitable[FrameReader]], StreamTransport]]:
+    """The host glue on real pipes: the client's write end, a function that starts reading what
+    the host writes (until then the pipe fills, then the host's buffer), and the host's
+    transport."""
+    loop = asyncio.get_running_loop()
+    to_host_read, to_host_write = os.pipe()
+    from_host_read, from_host_write = os.pipe()
+    pipe, flow = await loop.connect_write_pipe(
+        asyncio.streams.FlowControlMixin, os.fdopen(from_host_write, "wb", 0)
+    )
+    writer = asyncio.StreamWriter(pipe, flow, None, loop)
+    transport = await pipe_transport(os.fdopen(to_host_read, "rb", 0), writer)
+    reading: list[asyncio.ReadTransport] = []
+
+    async def start_reading() -> FrameReader:
+        reader = asyncio.StreamReader(limit=1 << 26)
+        read_pipe, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(from_host_read, "rb", 0)
+        )
+        reading.append(read_pipe)
+        return FrameReader(reader)
+
+    task = asyncio.create_task(serve_v1_connection(transport, provider))
+    try:
+        yield to_host_write, start_reading, transport
+    finally:
+        os.close(to_host_write)
+        with contextlib.suppress(BaseException):
+            async with asyncio.timeout(10):
+                await task
+        if not task.done():  # pragma: no cover - only when a test already failed
+            task.cancel()
+        for read_pipe in reading:
+            read_pipe.close()
+        if not reading:
+            os.close(from_host_read)
+
+
+@pytest.mark.timeout(60)
+async def test_callbacks_wait_while_the_client_does_not_read_and_those_given_up_are_never_written(
+    provider: LocalSessionProvider,
+) -> None:
+    """Finding: every tool call went into the write buffer at once. A client that stopped reading
+    (a blocked event loop) while its cells made large calls and ended (never awaiting them) grew
+    the host by each call's frame: 20 cells of 40 MB calls took a stdio host to 794 MiB, and 128
+    cells of a connection could hold 128 of them. Now a callback made while the client has not
+    taken what was written waits in order, counted by the runtime; one whose cell ended is never
+    written; the others go out as the client reads."""
+    big = 4 << 20
+    sources = [f'await tools.echo({{s: "a".repeat({big})}}); text("first")']
+    sources += [
+        f'await new Promise(r => setTimeout(r, 200)); tools.echo({{s: "b".repeat({big})}}); text("k")'
+    ] * 4
+    sources.append("await new Promise(r => setTimeout(r, 200)); text((await tools.echo({n: 6})).n)")
+    async with served_over_pipes(provider) as (to_host, start_reading, transport):
+        requests = [OperationRequest(1, SessionOpen(S1))] + [
+            OperationRequest(
+                10 + i,
+                SessionExecute(S1, WireExecuteRequest(f"c{i}", [ECHO], source, 30_000, None)),
+            )
+            for i, source in enumerate(sources)
+        ]
+        # One write: the host reads them all before its first call backs its writes up.
+        os.write(to_host, b"".join(frame(m) for m in [HELLO, *requests]))
+        # Cells 2 to 5 end with their calls unanswered, while nothing is read.
+        await asyncio.sleep(1.5)
+        assert transport.unsent() < big + (1 << 20), transport.unsent()
+        from_host = await start_reading()
+        invoked: list[str] = []
+        results: dict[int, ExecuteInitialResponse] = {}
+        async with asyncio.timeout(30):
+            while len(results) < len(sources):
+                message = CLIENT_READ.decode(await from_host.payload())
+                if isinstance(message, DelegateRequestMessage):
+                    assert isinstance(message.request, ToolInvoke), message
+                    invocation = message.request.invocation
+                    invoked.append(invocation.cell_id)
+                    value = invocation.input if invocation.cell_id == "6" else {"ok": True}
+                    os.write(
+                        to_host,
+                        frame(DelegateResponseMessage(message.id, WireOk(ToolResult(value)))),
+                    )
+                elif isinstance(message, DelegateCancel):
+                    raise AssertionError(f"a cancel for a callback: {message} after {invoked}")
+                elif isinstance(message, ExecuteInitialResponse):
+                    results[message.id] = message
+        assert invoked == ["1", "6"]
+        texts = {}
+        for request_id, response in results.items():
+            assert isinstance(response.result, WireOk), response
+            assert isinstance(response.result.value, WireRuntimeResponse), response
+            texts[request_id] = [
+                item.text
+                for item in response.result.value.body.content_items
+                if isinstance(item, WireInputText)
+            ]
+        assert texts == {10: ["first"], 11: ["k"], 12: ["k"], 13: ["k"], 14: ["k"], 15: ["6"]}

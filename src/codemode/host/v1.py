@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -31,6 +32,7 @@ from codemode.protocol.delegation import CallbackFailed, CallbackResult, ToolRet
 from codemode.protocol.options import checked_count
 from codemode.protocol.types import JSON, CellId, CodeModeNestedToolCall
 from codemode.protocol.v1 import events as ev
+from codemode.protocol.v1 import texts
 from codemode.protocol.v1.host import HostProtocol
 from codemode.protocol.v1.revision import WireRevision
 from codemode.session import (
@@ -229,6 +231,16 @@ async def _at_once(call: Coroutine[Any, Any, T]) -> list[T]:
     return settled
 
 
+@dataclass(eq=False, slots=True)
+class _HeldBack:
+    """A callback not yet issued: the client does not take what was written."""
+
+    start: Callable[[HostProtocol], int]
+    settlement: _Settlement
+    cancellation: CancellationToken
+    issued: bool = False
+
+
 class V1HostConnection:
     """One V1 connection served to a client: the glue between a transport, a
     :class:`HostProtocol` and a session provider. :func:`serve_v1_connection` runs one.
@@ -261,6 +273,11 @@ class V1HostConnection:
         self._admissions: dict[str, asyncio.Future[None]] = {}
         self._callbacks: dict[int, _Settlement] = {}
         self._background: set[asyncio.Task[Any]] = set()
+        # Callbacks that wait, in order, for a client that does not take what was written: held
+        # here (their inputs counted by the runtime), not as frames in the write buffer, so that
+        # one a cell gives up on (it ended) is never written at all.
+        self._held_back: deque[_HeldBack] = deque()
+        self._releasing: asyncio.Task[None] | None = None
         self._closing = False
         self._batch_pending = False
         self._release: asyncio.Handle | None = None
@@ -529,14 +546,57 @@ class V1HostConnection:
     def callback(
         self, start: Callable[[HostProtocol], int], cancellation: CancellationToken
     ) -> _Settlement:
-        """Issue one callback through the machine; the future of how it ends."""
-        delegate_id = start(self.protocol)
+        """Issue one callback through the machine; the future of how it ends. While the client
+        does not take what was written, callbacks wait in order and are issued as it does."""
         settlement = _Settlement(asyncio.get_running_loop())
+        if self._held_back or (self._transport.backlogged() and not self.protocol.ended):
+            held = _HeldBack(start, settlement, cancellation)
+            self._held_back.append(held)
+            cancellation.add_callback(lambda: self._withdraw(held))
+            if self._releasing is None:
+                self._releasing = asyncio.ensure_future(self._release_held_back())
+            return settlement
+        self._issue(start, settlement, cancellation)
+        return settlement
+
+    def _issue(
+        self,
+        start: Callable[[HostProtocol], int],
+        settlement: _Settlement,
+        cancellation: CancellationToken,
+    ) -> None:
+        delegate_id = start(self.protocol)
         self._callbacks[delegate_id] = settlement
         self._flush_callbacks()
         if not settlement.done():
             cancellation.add_callback(lambda: self._revoke(delegate_id))
-        return settlement
+
+    def _withdraw(self, held: _HeldBack) -> None:
+        # The runtime gave up on a callback the client never saw: it ends at once, unwritten.
+        if held.issued:
+            return
+        held.issued = True
+        with contextlib.suppress(ValueError):
+            self._held_back.remove(held)
+        held.settlement.set_result(CallbackFailed(texts.CALLBACK_REVOKED))
+
+    async def _release_held_back(self) -> None:
+        try:
+            while self._held_back:
+                await self._pump.drain()
+                # At least one per drain: a carrier whose drain() returns while it still counts
+                # as backlogged delays nothing, and never spins.
+                self._issue_held_back(1)
+                while self._held_back and not self._transport.backlogged():
+                    self._issue_held_back(1)
+        finally:
+            self._releasing = None
+
+    def _issue_held_back(self, count: int) -> None:
+        for _ in range(min(count, len(self._held_back))):
+            held = self._held_back.popleft()
+            held.issued = True
+            self._issue(held.start, held.settlement, held.cancellation)
 
     def _flush_callbacks(self) -> None:
         """The first callback of a loop iteration goes out at once; those that follow in the
@@ -567,6 +627,10 @@ class V1HostConnection:
     def _ended(self, event: ev.ConnectionEnded) -> None:
         if event.reason is not None:
             logger.warning("%s", event.reason)
+        # Held-back callbacks end now, as those issued did (the machine answers them).
+        if self._releasing is not None:
+            self._releasing.cancel()
+        self._issue_held_back(len(self._held_back))
         for request_id in event.requests:
             task = self._tasks.get(request_id)
             if task is not None:

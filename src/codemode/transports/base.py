@@ -60,6 +60,11 @@ class FrameTransport(Protocol):
         """Wait until queued frames were handed to the channel (back-pressure)."""
         ...
 
+    def backlogged(self) -> bool:
+        """True while the peer has not taken what was sent, past the carrier's high-water mark
+        (:meth:`drain` would wait)."""
+        ...
+
     async def receive(self) -> tuple[bytes, Lane] | None:
         """The next bytes read and the lane they came on; ``None`` at a clean end of stream.
 

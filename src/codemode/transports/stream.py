@@ -175,7 +175,7 @@ class StreamTransport:
             if not isinstance(error, Exception):
                 raise
             return
-        if self._pause_while_backlogged and self._backlogged():
+        if self._pause_while_backlogged and self.backlogged():
             self.pause_reading()  # the peer does not take what we write: read no more for now
 
     def unsent(self) -> int:
@@ -186,7 +186,9 @@ class StreamTransport:
             return 0
         return transport.get_write_buffer_size()
 
-    def _backlogged(self) -> bool:
+    def backlogged(self) -> bool:
+        """True while the writer holds more than its high-water mark (never for a writer that
+        does not tell)."""
         # Duck-typed: uvloop's transports are not subclasses of asyncio's.
         transport: asyncio.WriteTransport | None = getattr(self._writer, "transport", None)
         if transport is None:

@@ -318,6 +318,9 @@ class WebSocketTransport:
         for socket in self._sockets():
             await socket.drain()
 
+    def backlogged(self) -> bool:
+        return any(socket.backlogged() for socket in self._sockets())
+
     # -- reading -----------------------------------------------------------------------------------
 
     def push_to(self, sink: Sink) -> None:
