@@ -7,6 +7,7 @@ import os
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # before grpc: see codemode.host.grpc
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -1170,4 +1171,52 @@ async def test_a_client_gone_silent_loses_its_sessions_at_the_keepalive_timeout(
     finally:
         await proxy.aclose()
         await channel.close(grace=None)
+        await host.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_calls_revoked_while_their_subscriber_does_not_read_keep_no_input(
+    provider: LocalSessionProvider,
+) -> None:
+    """Finding: a subscriber that does not read keeps the host's queue of its tool calls; a call
+    revoked there (its cell ended) stayed queued with its input until the subscriber's turn came:
+    9 cells that each made a 20 MB call and ended held 180 M characters in a host whose client
+    read nothing. Now a revoked call keeps only its id there, and is skipped when read."""
+    host = GrpcHost(provider, "grpc://127.0.0.1:0")
+    channel, stub = await _connect(host)
+    try:
+        lease = await _open(stub)
+        subscription = stub.SubscribeToToolCalls(
+            pb.SubscribeToToolCallsRequest(session_id=lease.session_id)
+        )
+        await subscription.initial_metadata()
+        big = 8 << 20
+        calls = [
+            _execute(
+                stub,
+                lease,
+                f"await new Promise(r => setTimeout(r, {i * 100})); "
+                f'tools.echo({{s: "x".repeat({big})}}); text("end")',
+                tools=(ECHO,),
+            )
+            for i in range(6)
+        ]
+        for call in calls:
+            await _started(call)
+            outcome = await _outcome(call)
+            assert _texts(outcome) == ["end"]
+        (session,) = host._sessions.values()
+        queue = session.subscriptions[0].queue
+        queued = [item for item in queue._queue if item is not None]  # type: ignore[attr-defined]
+        assert len(queued) >= 3  # the subscriber read none of them
+        assert all(item.message is None for item in queued)
+        # Read now: what was already on its way arrives; nothing revoked in the queue does.
+        received = []
+        with contextlib.suppress(TimeoutError):
+            while True:
+                received.append(await asyncio.wait_for(subscription.read(), 1.0))
+        assert len(received) <= len(calls) - len(queued)
+        subscription.cancel()
+    finally:
+        await channel.close()
         await host.aclose()

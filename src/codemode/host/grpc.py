@@ -380,7 +380,7 @@ class _Execution:
 @dataclass(eq=False, slots=True)
 class _Invocation:
     invocation_id: str
-    message: pb.ToolCall
+    message: pb.ToolCall | None  # None once revoked: a queue may still hold it, not its input
     name: tuple[str, str | None]
     future: asyncio.Future[JSON]
     delivered: bool = False
@@ -491,6 +491,9 @@ class _Session:
         invocation = self.invocations.pop(invocation_id, None)
         if invocation is None:
             return
+        # A subscriber that does not read keeps it in its queue until its turn (then skipped):
+        # only the id stays, not an input of up to 64 MiB per revoked call.
+        invocation.message = None
         self.pending -= 1
         with contextlib.suppress(ValueError):
             self.undelivered.remove(invocation)
@@ -829,8 +832,9 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
                 invocation = await subscription.queue.get()
                 if invocation is None:
                     return
-                if invocation.invocation_id in session.invocations:
-                    yield invocation.message
+                message = invocation.message
+                if message is not None and invocation.invocation_id in session.invocations:
+                    yield message
         finally:
             session.unsubscribe(subscription)
 
