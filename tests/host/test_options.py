@@ -32,6 +32,9 @@ COUNTS: dict[str, Callable[..., object]] = {
     "LocalSessionProvider.max_engines": lambda v: LocalSessionProvider(max_engines=v),
     "LocalSessionProvider.memory_cap_bytes": lambda v: LocalSessionProvider(memory_cap_bytes=v),
     "LocalSessionProvider.max_held_chars": lambda v: LocalSessionProvider(max_held_chars=v),
+    "LocalSessionProvider.total_memory_cap_bytes": lambda v: LocalSessionProvider(
+        total_memory_cap_bytes=v
+    ),
 }
 
 SECONDS: dict[str, tuple[Callable[..., object], bool]] = {

@@ -10,9 +10,9 @@ import pytest
 
 from codemode.client import ProcessOwnedCodeModeSessionProvider
 from codemode.protocol import ExecuteRequest, InputText, Result, Yielded
-from codemode.protocol.types import LiveCell
+from codemode.protocol.types import LiveCell, WaitRequest
 from codemode.runtime import LocalSession, LocalSessionProvider
-from codemode.runtime.budget import HeldCharacters, default_held_chars
+from codemode.runtime.budget import HeldCharacters, ResidentMemory, default_held_chars
 from codemode.runtime.session import DEFAULT_MAX_HELD_CHARS, MIN_HELD_CHARS
 from tests.contract.delegate import FIXTURE_TOOLS, RecordingDelegate
 
@@ -50,7 +50,7 @@ async def completed(session: LocalSession, source: str) -> Result:
     return response
 
 
-def texts(result: Result) -> list[str]:
+def texts(result: Result | Yielded) -> list[str]:
     return [item.text for item in result.content_items if isinstance(item, InputText)]
 
 
@@ -173,3 +173,46 @@ async def test_the_host_command_applies_its_limit_over_stdio() -> None:
             None,
             f"exec cell store writes were discarded: they would pass {HOST_LIMIT}",
         ]
+
+
+def test_resident_memory_keeps_a_running_total_and_names_the_largest() -> None:
+    resident = ResidentMemory(100)
+    a, b = object(), object()
+    assert resident.report(a, 40) is None
+    assert resident.report(b, 50) is None
+    assert resident.report(a, 45) is None and resident.total == 95
+    assert resident.report(b, 60) is b  # 105 in all: the largest
+    resident.forget(b)
+    assert resident.total == 45
+    assert ResidentMemory(None).report(a, 1 << 50) is None
+    with pytest.raises(ValueError, match="total_memory_cap_bytes"):
+        ResidentMemory(0)
+
+
+#: A cell that makes ``MB`` megabytes resident (typed arrays, filled), then waits for ever.
+def _resident_cell(megabytes: int) -> str:
+    return (
+        f"const kept = []; for (let i = 0; i < {megabytes}; i++) kept.push(new Uint8Array(1 << 20)"
+        ".fill(i & 255)); text('held'); await new Promise(() => {})"
+    )
+
+
+async def test_engines_past_the_total_cap_lose_the_largest_and_the_others_go_on() -> None:
+    cap = 450 << 20
+    async with LocalSessionProvider(total_memory_cap_bytes=cap, warm_engines=0) as provider:
+        large = await provider.create_session(RecordingDelegate())
+        small = await provider.create_session(RecordingDelegate())
+        first = await start(large, _resident_cell(300), yield_ms=5_000)
+        assert isinstance(first, Yielded) and texts(first) == ["held"]
+        second = await start(small, _resident_cell(120), yield_ms=5_000)
+        assert isinstance(second, Yielded) and texts(second) == ["held"]
+        ended = await large.wait(WaitRequest(first.cell_id, 10_000))
+        assert isinstance(ended, LiveCell) and isinstance(ended.response, Result), ended
+        assert ended.response.error_text == (
+            f"exec cell exceeded the memory limit of {cap} bytes shared by all engine processes "
+            "(its engine was the largest)"
+        )
+        # The other engine's cell still runs; the first session runs cells again.
+        alive = await small.wait(WaitRequest(second.cell_id, 200))
+        assert isinstance(alive, LiveCell) and isinstance(alive.response, Yielded), alive
+        assert texts(await completed(large, 'text("again")')) == ["again"]

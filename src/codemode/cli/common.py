@@ -15,7 +15,7 @@ from codemode.protocol.v1 import WireRevision
 from codemode.protocol.v1.revision import AUTO_REVISION
 from codemode.runtime import LocalSessionProvider
 from codemode.runtime.engine import DEFAULT_MEMORY_CAP_BYTES
-from codemode.runtime.session import DEFAULT_MAX_HELD_CHARS
+from codemode.runtime.session import DEFAULT_MAX_HELD_CHARS, DEFAULT_TOTAL_MEMORY_CAP_BYTES
 
 __all__ = [
     "LOOPS",
@@ -151,6 +151,9 @@ def local_provider(
         warm_engines=warm_engines,
         max_engines=getattr(args, "max_engines", None) or None,
         max_held_chars=getattr(args, "max_held_chars", DEFAULT_MAX_HELD_CHARS) or None,
+        total_memory_cap_bytes=(
+            getattr(args, "total_memory_cap", DEFAULT_TOTAL_MEMORY_CAP_BYTES) or None
+        ),
         console=args.console,
         shared_engine=args.shared_engine,
         memory_cap_bytes=args.memory_cap,

@@ -37,7 +37,11 @@ from codemode.protocol.constants import (
     SHUTDOWN_TIMEOUT,
 )
 from codemode.runtime.engine import log_confinement
-from codemode.runtime.session import DEFAULT_MAX_ENGINES, DEFAULT_MAX_HELD_CHARS
+from codemode.runtime.session import (
+    DEFAULT_MAX_ENGINES,
+    DEFAULT_MAX_HELD_CHARS,
+    DEFAULT_TOTAL_MEMORY_CAP_BYTES,
+)
 from codemode.transports import StreamTransport, stdio_transport
 
 if TYPE_CHECKING:
@@ -407,6 +411,15 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="characters the cells of all sessions may make the host hold at once: stores, "
         "output not yet observed, tool inputs not yet answered (what would pass it is refused "
         "as at a session's own bounds; default: a quarter of the machine's memory; 0: no bound)",
+    )
+    host.add_argument(
+        "--total-memory-cap",
+        type=non_negative,
+        default=DEFAULT_TOTAL_MEMORY_CAP_BYTES,
+        metavar="BYTES",
+        help="resident memory of all engine processes together (past it the largest is stopped "
+        "and its cells end, as at its own --memory-cap; default: half the machine's memory; "
+        "0: no bound)",
     )
     host.add_argument(
         "--max-sessions",

@@ -1,12 +1,15 @@
-"""The characters all sessions of one provider may hold in this process for their cells.
+"""Host-wide bounds on what all sessions of one provider may make the host hold for their cells.
 
-Each session bounds what its cells make the host keep: its store, output buffered for the next
-observation, and tool inputs and notification texts handed to the delegate and not yet settled.
-Those bounds are per session, so a host with many sessions had no bound at all: every session's
-cells at their bounds could take the host process past its machine's memory. A
-:class:`HeldCharacters` is shared by the sessions of a provider; each session counts the same
-characters into it that it counts against its own bounds, and what would pass the shared limit
-is refused as what would pass the session's own bound is, with a text that names the host.
+Each session bounds what its cells make this process keep (its store, output buffered for the
+next observation, tool inputs and notification texts handed to the delegate and not yet settled),
+and each engine process has a cap on its resident memory. Those bounds are per session, so a host
+with many sessions had no bound at all: every session's cells at their bounds could take the
+machine's memory. :class:`HeldCharacters` is shared by the sessions of a provider: each session
+counts into it the characters it counts against its own bounds, and what would pass the shared
+limit is refused as what would pass the session's own bound is, with a text that names the host.
+:class:`ResidentMemory` is shared by a provider's engines: each engine's watchdog reports its
+resident size, and when all of them together pass the limit the largest is stopped (its cells
+end, as at its own cap).
 """
 
 from __future__ import annotations
@@ -16,19 +19,24 @@ from typing import Final
 
 from codemode.protocol.options import checked_count
 
-__all__ = ["HeldCharacters", "default_held_chars"]
+__all__ = ["HeldCharacters", "ResidentMemory", "default_held_chars", "physical_memory"]
 
 #: The share of the machine's physical memory the default limit is.
 MEMORY_SHARE: Final = 4
 
 
+def physical_memory() -> int | None:
+    """This machine's physical memory in bytes (``None`` where the system does not tell)."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def default_held_chars(minimum: int) -> int:
     """A quarter of this machine's physical memory (as characters), at least ``minimum``."""
-    try:
-        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):  # not a POSIX system that tells
-        return minimum
-    return max(minimum, memory // MEMORY_SHARE)
+    memory = physical_memory()
+    return minimum if memory is None else max(minimum, memory // MEMORY_SHARE)
 
 
 class HeldCharacters:
@@ -52,3 +60,31 @@ class HeldCharacters:
     def refusal(self) -> str:
         """The end of the text of whatever the limit refused."""
         return f"the host's limit of {self.limit} characters held for the cells of all its sessions"
+
+
+class ResidentMemory:
+    """The resident bytes of a provider's engine processes that run cells, against ``limit``
+    (``None``: no limit). Engines report what their watchdogs read; the largest one is named when
+    all of them together pass the limit."""
+
+    __slots__ = ("_engines", "limit", "total")
+
+    def __init__(self, limit: int | None = None) -> None:
+        if limit is not None:
+            checked_count("total_memory_cap_bytes", limit)
+        self.limit = limit
+        #: The sum of the last sizes reported (a running total: engines report 20 times a second).
+        self.total = 0
+        self._engines: dict[object, int] = {}
+
+    def report(self, engine: object, resident: int) -> object | None:
+        """Record ``engine``'s resident bytes; the engine to stop if all together pass the limit."""
+        self.total += resident - self._engines.get(engine, 0)
+        self._engines[engine] = resident
+        if self.limit is None or self.total <= self.limit:
+            return None
+        return max(self._engines, key=self._engines.__getitem__)
+
+    def forget(self, engine: object) -> None:
+        """``engine`` runs no cell (or has exited): it no longer counts."""
+        self.total -= self._engines.pop(engine, 0)

@@ -626,6 +626,11 @@ class Cell:
         elif reason in ("oom", "memory"):
             cap = self._engine.memory_cap_bytes
             message = f"exec cell exceeded the engine memory limit of {cap} bytes"
+        elif reason == "host-memory" and (resident := self._engine.resident) is not None:
+            message = (
+                f"exec cell exceeded the memory limit of {resident.limit} bytes shared by all "
+                "engine processes (its engine was the largest)"
+            )
         else:
             if detail:
                 logger.warning("exec cell %s: engine failure: %s", self.cell_id, detail)

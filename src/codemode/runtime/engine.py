@@ -27,6 +27,7 @@ from codemode.errors import CodeModeError, FrameError
 from codemode.protocol.surrogates import well_formed
 from codemode.protocol.types import ContentItem, ImageDetail, InputAudio, InputImage, InputText
 from codemode.protocol.v1.codec import NEED_DATA, FrameDecoder, encode_frame
+from codemode.runtime.budget import ResidentMemory
 from codemode.runtime.confinement import ConfinementReport
 from codemode.spawning import child_preexec
 
@@ -435,8 +436,9 @@ class NodeEngine:
     """Runs cells in bare V8 isolates of one confined Node.js child process.
 
     ``memory_cap_bytes`` bounds the child's resident memory: past it every running cell ends with
-    an error. ``require_confinement`` turns an OS confinement layer this machine lacks into an
-    error at start instead of a warning.
+    an error. ``resident`` (shared by the engines of a provider) bounds them together: past its
+    limit the largest is stopped the same way. ``require_confinement`` turns an OS confinement
+    layer this machine lacks into an error at start instead of a warning.
     """
 
     def __init__(
@@ -445,9 +447,11 @@ class NodeEngine:
         node: str | None = None,
         memory_cap_bytes: int = DEFAULT_MEMORY_CAP_BYTES,
         require_confinement: bool = False,
+        resident: ResidentMemory | None = None,
     ) -> None:
         self._node = node
         self.memory_cap_bytes = memory_cap_bytes
+        self.resident = resident
         self.require_confinement = require_confinement
         self._transport: asyncio.SubprocessTransport | None = None
         self._stdin: asyncio.WriteTransport | None = None
@@ -639,7 +643,10 @@ class NodeEngine:
     def _watch(self) -> None:
         # From outside the engine, so that nothing running in it can blind the watchdog.
         self._watchdog = None
+        resident = self.resident
         if not self._cells or self._transport is None:
+            if resident is not None:
+                resident.forget(self)  # an engine without cells is not watched: its size is old
             return
         rss = _resident_bytes(self._transport.get_pid())
         if rss is not None and rss > self.memory_cap_bytes:
@@ -649,12 +656,35 @@ class NodeEngine:
                 rss,
                 self.memory_cap_bytes,
             )
-            self._exit_kind = "memory"
-            self._exit_reason = f"resident memory {rss} bytes over the cap"
-            self._transport.kill()
-            self._host_exited()
+            self._stop_for_memory("memory", f"resident memory {rss} bytes over the cap")
             return
+        if rss is not None and resident is not None:
+            largest = resident.report(self, rss)
+            if isinstance(largest, NodeEngine):
+                total = resident.total
+                logger.warning(
+                    "codemode engines: %d bytes resident in all, over the host's cap of %s: "
+                    "stopping the largest, engine %s",
+                    total,
+                    resident.limit,
+                    largest.pid,
+                )
+                largest._stop_for_memory(
+                    "host-memory", f"the engines' resident memory {total} bytes over the host's cap"
+                )
+                if largest is self:
+                    return
         self._arm_watchdog()
+
+    def _stop_for_memory(self, kind: str, reason: str) -> None:
+        # Its cells end with ``kind`` (cell.py words it); the process is killed, not asked.
+        transport = self._transport
+        if transport is None:
+            return
+        self._exit_kind = kind
+        self._exit_reason = reason
+        transport.kill()
+        self._host_exited()
 
     def _arm_watchdog(self) -> None:
         if self._watchdog is None and self._transport is not None:
@@ -683,6 +713,8 @@ class NodeEngine:
             reader.dispatch(whole=True)
 
     def _host_exited(self) -> None:
+        if self.resident is not None:
+            self.resident.forget(self)
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None

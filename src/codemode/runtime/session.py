@@ -44,7 +44,12 @@ from codemode.protocol.types import (
     WaitRequest,
 )
 from codemode.runtime import confinement
-from codemode.runtime.budget import HeldCharacters, default_held_chars
+from codemode.runtime.budget import (
+    HeldCharacters,
+    ResidentMemory,
+    default_held_chars,
+    physical_memory,
+)
 from codemode.runtime.cell import (
     MAX_PENDING_INPUT_CHARS,
     MAX_SESSION_BUFFERED_OUTPUT_CHARS,
@@ -62,6 +67,7 @@ from codemode.session import (
 __all__ = [
     "DEFAULT_MAX_ENGINES",
     "DEFAULT_MAX_HELD_CHARS",
+    "DEFAULT_TOTAL_MEMORY_CAP_BYTES",
     "EnginePool",
     "InvalidLimitsError",
     "LocalSession",
@@ -85,6 +91,11 @@ MIN_HELD_CHARS: Final = (
 )
 #: By default a provider's sessions may hold a quarter of the machine's memory (in characters).
 DEFAULT_MAX_HELD_CHARS: Final = default_held_chars(MIN_HELD_CHARS)
+#: By default all engine processes of a provider may be resident in half the machine's memory
+#: together (never less than one engine's own cap); past it the largest is stopped.
+DEFAULT_TOTAL_MEMORY_CAP_BYTES: Final = max(
+    DEFAULT_MEMORY_CAP_BYTES, (physical_memory() or 2 * DEFAULT_MEMORY_CAP_BYTES) // 2
+)
 #: What each stored key counts beyond its characters: Python and the engine pay for an entry as
 #: such (≈150 bytes here), so a store of millions of tiny entries is bounded too.
 STORE_ENTRY_CHARS: Final = 256
@@ -127,9 +138,12 @@ class EnginePool:
         require_confinement: bool = False,
         node: str | None = None,
         max_engines: int | None = DEFAULT_MAX_ENGINES,
+        resident: ResidentMemory | None = None,
     ) -> None:
         self.size = size
         self.memory_cap_bytes = memory_cap_bytes
+        #: The resident memory of all its engines, against the provider's total cap.
+        self.resident = ResidentMemory() if resident is None else resident
         self.require_confinement = require_confinement
         self.max_engines = max_engines
         self._node = node
@@ -152,6 +166,7 @@ class EnginePool:
             node=self._node,
             memory_cap_bytes=self.memory_cap_bytes,
             require_confinement=self.require_confinement,
+            resident=self.resident,
         )
 
     async def take(self, *, reclaim: bool = True) -> NodeEngine:
@@ -711,7 +726,10 @@ class LocalSessionProvider(CodeModeSessionProvider):
     refuses to start engines where an OS confinement layer is unavailable. ``max_held_chars``
     bounds the characters all sessions together hold in this process for their cells (stores,
     output not yet observed, tool inputs not yet answered; default: a quarter of the machine's
-    memory, at least what one session may hold; ``None``: no bound). Close with :meth:`aclose`.
+    memory, at least what one session may hold; ``None``: no bound), ``total_memory_cap_bytes``
+    the resident memory of all its engine processes together (default: half the machine's
+    memory; past it the largest is stopped, its cells end; ``None``: no bound). Close with
+    :meth:`aclose`.
     """
 
     def __init__(
@@ -727,6 +745,7 @@ class LocalSessionProvider(CodeModeSessionProvider):
         engine: NodeEngine | None = None,
         max_engines: int | None = DEFAULT_MAX_ENGINES,
         max_held_chars: int | None = DEFAULT_MAX_HELD_CHARS,
+        total_memory_cap_bytes: int | None = DEFAULT_TOTAL_MEMORY_CAP_BYTES,
     ) -> None:
         checked_count("warm_engines", warm_engines, minimum=0)
         #: What the cells of all its sessions hold in this process, against ``max_held_chars``.
@@ -739,15 +758,19 @@ class LocalSessionProvider(CodeModeSessionProvider):
         self.idle_engine_timeout = checked_seconds(
             "idle_engine_timeout", idle_engine_timeout, zero=True
         )
+        resident = ResidentMemory(total_memory_cap_bytes)
         self.pool = EnginePool(
             size=warm_engines,
             memory_cap_bytes=memory_cap_bytes,
             require_confinement=require_confinement,
             max_engines=max_engines,
+            resident=resident,
         )
         if engine is None and shared_engine:
             engine = NodeEngine(
-                memory_cap_bytes=memory_cap_bytes, require_confinement=require_confinement
+                memory_cap_bytes=memory_cap_bytes,
+                require_confinement=require_confinement,
+                resident=resident,
             )
         #: The one engine of every session, when engines are shared.
         self.shared_engine = engine
