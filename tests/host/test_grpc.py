@@ -1220,3 +1220,36 @@ async def test_calls_revoked_while_their_subscriber_does_not_read_keep_no_input(
     finally:
         await channel.close()
         await host.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_notifications_revoked_before_their_lease_wrote_them_are_never_written(
+    stub: Stub,
+) -> None:
+    """The lease's own queue: a notification revoked (its cell terminated) while the client did
+    not read the lease stayed queued with its text, and was written later, before its cancel.
+    Now it is let go unwritten; the cancel still comes."""
+    lease = await _open(stub)
+    big = 8 << 20
+    cells = []
+    for _ in range(4):
+        call = _execute(
+            stub,
+            lease,
+            f'notify("x".repeat({big})); await new Promise(() => {{}})',
+            yield_time_ms=100,
+        )
+        started = await _started(call)
+        assert (await _outcome(call)).WhichOneof("outcome") == "yielded"
+        cells.append(started.cell_id)
+    for cell_id in cells:
+        response = await stub.Terminate(
+            pb.TerminateRequest(session_id=lease.session_id, cell_id=cell_id)
+        )
+        assert response.live_cell.WhichOneof("outcome") == "terminated"
+    notified, cancelled = 0, 0
+    while cancelled < len(cells):
+        kind = (await lease.next()).WhichOneof("event")
+        notified += kind == "notification"
+        cancelled += kind == "notification_cancelled"
+    assert notified <= 1  # what was already on its way when the client stopped reading

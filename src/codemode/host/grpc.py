@@ -427,6 +427,9 @@ class _Session:
         self.subscriptions: list[_Subscription] = []
         self.round_robin = itertools.count()
         self.notifications: dict[str, asyncio.Future[None]] = {}
+        # Notification events queued on the lease and not yet written: one revoked meanwhile is
+        # emptied there (a lease its client does not read would keep every revoked text).
+        self.unwritten_notifications: dict[str, pb.SessionEvent] = {}
         self.retired_notifications = _Remembered()
         self.wait_ids = _Remembered()
         self.waits: dict[str, _Wait] = {}
@@ -512,6 +515,9 @@ class _Session:
             return
         self.pending -= 1
         self.retired_notifications.add(notification_id)
+        unwritten = self.unwritten_notifications.pop(notification_id, None)
+        if unwritten is not None:
+            unwritten.ClearField("notification")  # skipped by the lease, its text let go
         self.send(
             pb.SessionEvent(
                 notification_cancelled=pb.NotificationCancelled(notification_id=notification_id)
@@ -639,17 +645,17 @@ class _HostDelegate(CodeModeSessionDelegate):
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         session.notifications[notification_id] = future
         session.pending += 1
-        session.send(
-            pb.SessionEvent(
-                notification=pb.Notification(
-                    notification_id=notification_id,
-                    execution_id=execution.execution_id,
-                    cell_id=cell_id.value,
-                    call_id=call_id,
-                    text=text,
-                )
+        event = pb.SessionEvent(
+            notification=pb.Notification(
+                notification_id=notification_id,
+                execution_id=execution.execution_id,
+                cell_id=cell_id.value,
+                call_id=call_id,
+                text=text,
             )
         )
+        session.unwritten_notifications[notification_id] = event
+        session.send(event)
         cancellation.add_callback(lambda: session.revoke_notification(notification_id, grace=True))
         await future
 
@@ -786,6 +792,11 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
                 event = await session.lease.get()
                 if event is None:
                     return
+                kind = event.WhichOneof("event")
+                if kind == "notification":
+                    session.unwritten_notifications.pop(event.notification.notification_id, None)
+                elif kind is None:
+                    continue  # a notification revoked before its turn
                 yield event
         finally:
             # Dropped lease (cancelled, disconnected) or an orderly close: the session ends.
