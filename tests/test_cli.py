@@ -15,6 +15,7 @@ import pytest
 from codemode.model.toolfile import load_tool_file
 from codemode.model.typescript import render_tool_declaration
 from codemode.protocol.v1.messages import OperationCancel
+from codemode.runtime.session import DEFAULT_MAX_HELD_CHARS, DEFAULT_TOTAL_MEMORY_CAP_BYTES
 from tests.commands import codemode
 from tests.wire import frame, hello, payloads
 
@@ -279,6 +280,8 @@ def test_doctor_lists_the_confinement_layers() -> None:
     assert "isolated-vm 7.0.1:" in done.stdout
     for layer in ("node-permission", "landlock-fs", "landlock-net", "seccomp"):
         assert f"  {layer}: " in done.stdout
+    assert f"--total-memory-cap {DEFAULT_TOTAL_MEMORY_CAP_BYTES}," in done.stdout
+    assert f"--max-held-chars {DEFAULT_MAX_HELD_CHARS}\n" in done.stdout
 
 
 def test_host_listen_stdio_is_the_same_as_stdio() -> None:

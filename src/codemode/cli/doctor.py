@@ -1,4 +1,5 @@
-"""``codemode doctor``: is the engine set up, and which confinement layers apply here."""
+"""``codemode doctor``: is the engine set up, which confinement layers apply here, and what a host
+started here bounds by default."""
 
 from __future__ import annotations
 
@@ -9,9 +10,14 @@ import sys
 from codemode.errors import CodeModeError
 from codemode.runtime import confinement, find_node
 from codemode.runtime.confinement import LAYERS
-from codemode.runtime.engine import NodeEngine
+from codemode.runtime.engine import DEFAULT_MEMORY_CAP_BYTES, NodeEngine
 from codemode.runtime.isolated_vm import VERSION as ISOLATED_VM_VERSION
 from codemode.runtime.isolated_vm import ensure_isolated_vm
+from codemode.runtime.session import (
+    DEFAULT_MAX_ENGINES,
+    DEFAULT_MAX_HELD_CHARS,
+    DEFAULT_TOTAL_MEMORY_CAP_BYTES,
+)
 
 __all__ = ["add_parser"]
 
@@ -50,6 +56,12 @@ def _doctor_command(args: argparse.Namespace) -> int:
     print(report.describe())
     for layer in LAYERS:
         print(f"  {layer}: {'active' if layer in report.active() else 'MISSING'}")
+    # What a host started here bounds by default (docs/cli.md): an operator sizing a machine.
+    print(
+        f"host defaults: --max-engines {DEFAULT_MAX_ENGINES}, --memory-cap "
+        f"{DEFAULT_MEMORY_CAP_BYTES}, --total-memory-cap {DEFAULT_TOTAL_MEMORY_CAP_BYTES}, "
+        f"--max-held-chars {DEFAULT_MAX_HELD_CHARS}"
+    )
     if args.require_confinement and report.missing():
         print("codemode: required confinement layers are missing", file=sys.stderr)
         return 1
