@@ -31,14 +31,22 @@ from codemode.protocol.grpc.constants import SERVICE_PATH_PREFIX
 from codemode.protocol.v1.codec import encode_frame
 from codemode.protocol.v1.messages import (
     ClientToHost,
+    DelegateCancel,
+    DelegateRequestMessage,
+    DelegateResponseMessage,
+    ExecuteInitialResponse,
     OperationRequest,
     OperationResponse,
     SessionClosed,
     SessionOpen,
     SessionReady,
     SessionShutdown,
+    ToolInvoke,
+    ToolResult,
     WireError,
+    WireInputText,
     WireOk,
+    WireRuntimeResponse,
 )
 from codemode.runtime import LocalSessionProvider
 from codemode.runtime.engine import NodeEngine
@@ -46,6 +54,7 @@ from codemode.transports.websocket import WRITE_HIGH_WATER
 from tests import rawws
 from tests.host.test_grpc import CHANNEL_OPTIONS, _execute, _open, _outcome, _started, _texts
 from tests.host.test_websocket import (
+    ECHO,
     FOREVER,
     HOST_LOG,
     S1,
@@ -436,3 +445,55 @@ async def test_undecodable_grpc_requests_without_the_token_are_unauthenticated(
     finally:
         await channel.close()
         await host.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_callbacks_wait_for_a_websocket_client_that_does_not_read(
+    provider: LocalSessionProvider,
+) -> None:
+    """The WebSocket carrier's side of holding callbacks back (decision 0024; the stdio side is in
+    tests/host/test_v1.py): while the client reads nothing, calls its cells make and give up on
+    are never written, and the host's buffer holds no more than what had gone out before."""
+    big = 16 << 20
+    sources = [f'await tools.echo({{s: "a".repeat({big})}}); text("first")']
+    sources += [
+        f'await new Promise(r => setTimeout(r, 300)); tools.echo({{s: "b".repeat({big})}}); text("k")'
+    ] * 3
+    sources.append("await new Promise(r => setTimeout(r, 300)); text((await tools.echo({n: 5})).n)")
+    async with listening(provider) as host:
+        control = await open_single(host.url)
+        try:
+            await send_together(
+                control,
+                OperationRequest(1, SessionOpen(S1)),
+                *(execute(10 + i, S1, source, [ECHO]) for i, source in enumerate(sources)),
+            )
+            await asyncio.sleep(2.0)  # cells 2 to 4 end with their calls unanswered
+            assert _control_write_buffer(host) < big + (1 << 20), _control_write_buffer(host)
+            invoked: list[str] = []
+            answered: dict[int, list[str]] = {}
+            async with asyncio.timeout(30):
+                while len(answered) < len(sources):
+                    message = await control.receive(30)
+                    if isinstance(message, DelegateRequestMessage):
+                        assert isinstance(message.request, ToolInvoke), message
+                        invocation = message.request.invocation
+                        invoked.append(invocation.cell_id)
+                        value = invocation.input if invocation.cell_id == "5" else {}
+                        await control.send(
+                            DelegateResponseMessage(message.id, WireOk(ToolResult(value)))
+                        )
+                    elif isinstance(message, ExecuteInitialResponse):
+                        assert isinstance(message.result, WireOk), message
+                        assert isinstance(message.result.value, WireRuntimeResponse), message
+                        answered[message.id] = [
+                            item.text
+                            for item in message.result.value.body.content_items
+                            if isinstance(item, WireInputText)
+                        ]
+                    else:
+                        assert not isinstance(message, DelegateCancel), message
+            assert invoked == ["1", "5"]
+            assert answered == {10: ["first"], 11: ["k"], 12: ["k"], 13: ["k"], 14: ["5"]}
+        finally:
+            control.ws.abort()
