@@ -175,16 +175,22 @@ async def test_the_host_command_applies_its_limit_over_stdio() -> None:
         ]
 
 
-def test_resident_memory_keeps_a_running_total_and_names_the_largest() -> None:
+def test_resident_memory_names_the_engine_that_grew_the_most_since_it_was_within() -> None:
     resident = ResidentMemory(100)
-    a, b = object(), object()
-    assert resident.report(a, 40) is None
-    assert resident.report(b, 50) is None
-    assert resident.report(a, 45) is None and resident.total == 95
-    assert resident.report(b, 60) is b  # 105 in all: the largest
-    resident.forget(b)
-    assert resident.total == 45
-    assert ResidentMemory(None).report(a, 1 << 50) is None
+    steady, grower, late = object(), object(), object()
+    assert resident.report(steady, 60) is None
+    assert resident.report(grower, 10) is None
+    assert resident.report(steady, 62) is None and resident.total == 72
+    # The grower takes the total past the limit: it is named, not the larger, steady engine.
+    assert resident.report(grower, 45) is grower
+    assert resident.report(steady, 62) is grower  # whoever reports next
+    resident.forget(grower)
+    assert resident.total == 62
+    # An engine first seen past the limit counts all it holds.
+    assert resident.report(late, 50) is late
+    resident.forget(late)
+    assert resident.report(steady, 63) is None
+    assert ResidentMemory(None).report(steady, 1 << 50) is None
     with pytest.raises(ValueError, match="total_memory_cap_bytes"):
         ResidentMemory(0)
 
@@ -197,22 +203,20 @@ def _resident_cell(megabytes: int) -> str:
     )
 
 
-async def test_engines_past_the_total_cap_lose_the_largest_and_the_others_go_on() -> None:
+async def test_engines_past_the_total_cap_lose_the_one_that_grew_and_the_others_go_on() -> None:
     cap = 450 << 20
     async with LocalSessionProvider(total_memory_cap_bytes=cap, warm_engines=0) as provider:
         large = await provider.create_session(RecordingDelegate())
-        small = await provider.create_session(RecordingDelegate())
+        grower = await provider.create_session(RecordingDelegate())
         first = await start(large, _resident_cell(300), yield_ms=5_000)
         assert isinstance(first, Yielded) and texts(first) == ["held"]
-        second = await start(small, _resident_cell(120), yield_ms=5_000)
-        assert isinstance(second, Yielded) and texts(second) == ["held"]
-        ended = await large.wait(WaitRequest(first.cell_id, 10_000))
-        assert isinstance(ended, LiveCell) and isinstance(ended.response, Result), ended
-        assert ended.response.error_text == (
+        # The second cell takes the total past the cap: its engine is stopped, not the larger.
+        second = await start(grower, _resident_cell(120), yield_ms=10_000)
+        assert isinstance(second, Result), second
+        assert second.error_text == (
             f"exec cell exceeded the memory limit of {cap} bytes shared by all engine processes "
-            "(its engine was the largest)"
+            "(its engine grew the most)"
         )
-        # The other engine's cell still runs; the first session runs cells again.
-        alive = await small.wait(WaitRequest(second.cell_id, 200))
+        alive = await large.wait(WaitRequest(first.cell_id, 200))
         assert isinstance(alive, LiveCell) and isinstance(alive.response, Yielded), alive
-        assert texts(await completed(large, 'text("again")')) == ["again"]
+        assert texts(await completed(grower, 'text("again")')) == ["again"]

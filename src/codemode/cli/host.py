@@ -417,7 +417,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=non_negative,
         default=DEFAULT_TOTAL_MEMORY_CAP_BYTES,
         metavar="BYTES",
-        help="resident memory of all engine processes together (past it the largest is stopped "
+        help="resident memory of all engine processes together (past it the one that grew the "
+        "most since they were within it is stopped "
         "and its cells end, as at its own --memory-cap; default: half the machine's memory; "
         "0: no bound)",
     )

@@ -8,8 +8,8 @@ machine's memory. :class:`HeldCharacters` is shared by the sessions of a provide
 counts into it the characters it counts against its own bounds, and what would pass the shared
 limit is refused as what would pass the session's own bound is, with a text that names the host.
 :class:`ResidentMemory` is shared by a provider's engines: each engine's watchdog reports its
-resident size, and when all of them together pass the limit the largest is stopped (its cells
-end, as at its own cap).
+resident size, and when all of them together pass the limit the one that grew the most since
+they were last within it is stopped (its cells end, as at its own cap).
 """
 
 from __future__ import annotations
@@ -64,10 +64,12 @@ class HeldCharacters:
 
 class ResidentMemory:
     """The resident bytes of a provider's engine processes that run cells, against ``limit``
-    (``None``: no limit). Engines report what their watchdogs read; the largest one is named when
-    all of them together pass the limit."""
+    (``None``: no limit). Engines report what their watchdogs read; when all of them together
+    pass the limit, the engine that grew the most since they were last within it is named (an
+    engine first seen past it counts all it holds): the one whose cells took the room, not a
+    larger one that held steady — a cell must not get another session's engine stopped."""
 
-    __slots__ = ("_engines", "limit", "total")
+    __slots__ = ("_base", "_engines", "limit", "total")
 
     def __init__(self, limit: int | None = None) -> None:
         if limit is not None:
@@ -76,15 +78,19 @@ class ResidentMemory:
         #: The sum of the last sizes reported (a running total: engines report 20 times a second).
         self.total = 0
         self._engines: dict[object, int] = {}
+        self._base: dict[object, int] = {}  # each engine's size when last reported within it
 
     def report(self, engine: object, resident: int) -> object | None:
         """Record ``engine``'s resident bytes; the engine to stop if all together pass the limit."""
         self.total += resident - self._engines.get(engine, 0)
         self._engines[engine] = resident
         if self.limit is None or self.total <= self.limit:
+            self._base[engine] = resident
             return None
-        return max(self._engines, key=self._engines.__getitem__)
+        base = self._base
+        return max(self._engines, key=lambda e: self._engines[e] - base.get(e, 0))
 
     def forget(self, engine: object) -> None:
         """``engine`` runs no cell (or has exited): it no longer counts."""
         self.total -= self._engines.pop(engine, 0)
+        self._base.pop(engine, None)

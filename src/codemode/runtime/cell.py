@@ -629,7 +629,7 @@ class Cell:
         elif reason == "host-memory" and (resident := self._engine.resident) is not None:
             message = (
                 f"exec cell exceeded the memory limit of {resident.limit} bytes shared by all "
-                "engine processes (its engine was the largest)"
+                "engine processes (its engine grew the most)"
             )
         else:
             if detail:

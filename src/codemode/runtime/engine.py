@@ -437,7 +437,7 @@ class NodeEngine:
 
     ``memory_cap_bytes`` bounds the child's resident memory: past it every running cell ends with
     an error. ``resident`` (shared by the engines of a provider) bounds them together: past its
-    limit the largest is stopped the same way. ``require_confinement`` turns an OS confinement
+    limit the one that grew the most is stopped the same way. ``require_confinement`` turns an OS confinement
     layer this machine lacks into an error at start instead of a warning.
     """
 
@@ -659,20 +659,20 @@ class NodeEngine:
             self._stop_for_memory("memory", f"resident memory {rss} bytes over the cap")
             return
         if rss is not None and resident is not None:
-            largest = resident.report(self, rss)
-            if isinstance(largest, NodeEngine):
+            grown = resident.report(self, rss)
+            if isinstance(grown, NodeEngine):
                 total = resident.total
                 logger.warning(
                     "codemode engines: %d bytes resident in all, over the host's cap of %s: "
-                    "stopping the largest, engine %s",
+                    "stopping engine %s, which grew the most",
                     total,
                     resident.limit,
-                    largest.pid,
+                    grown.pid,
                 )
-                largest._stop_for_memory(
+                grown._stop_for_memory(
                     "host-memory", f"the engines' resident memory {total} bytes over the host's cap"
                 )
-                if largest is self:
+                if grown is self:
                     return
         self._arm_watchdog()
 

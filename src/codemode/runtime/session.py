@@ -92,7 +92,7 @@ MIN_HELD_CHARS: Final = (
 #: By default a provider's sessions may hold a quarter of the machine's memory (in characters).
 DEFAULT_MAX_HELD_CHARS: Final = default_held_chars(MIN_HELD_CHARS)
 #: By default all engine processes of a provider may be resident in half the machine's memory
-#: together (never less than one engine's own cap); past it the largest is stopped.
+#: together (never less than one engine's own cap); past it the one that grew the most is stopped.
 DEFAULT_TOTAL_MEMORY_CAP_BYTES: Final = max(
     DEFAULT_MEMORY_CAP_BYTES, (physical_memory() or 2 * DEFAULT_MEMORY_CAP_BYTES) // 2
 )
@@ -728,7 +728,8 @@ class LocalSessionProvider(CodeModeSessionProvider):
     output not yet observed, tool inputs not yet answered; default: a quarter of the machine's
     memory, at least what one session may hold; ``None``: no bound), ``total_memory_cap_bytes``
     the resident memory of all its engine processes together (default: half the machine's
-    memory; past it the largest is stopped, its cells end; ``None``: no bound). Close with
+    memory; past it the one that grew the most is stopped, its cells end; ``None``: no
+    bound). Close with
     :meth:`aclose`.
     """
 
