@@ -84,9 +84,9 @@ async def test_a_store_write_that_would_pass_the_host_limit_is_discarded(
     assert (await completed(first, f'store("a", "z".repeat({BIG}))')).error_text is None
     # A shut down session's store gives its room back.
     await first.shutdown()
-    assert provider.held.held == 0
+    assert provider.held.chars == 0
     assert (await completed(second, f'store("b", "y".repeat({BIG}))')).error_text is None
-    assert provider.held.held > BIG
+    assert provider.held.chars > BIG
 
 
 async def test_output_that_would_pass_the_host_limit_ends_its_cell(
@@ -102,7 +102,7 @@ async def test_output_that_would_pass_the_host_limit_ends_its_cell(
         yield_ms=10,
     )
     assert isinstance(first, Yielded)
-    while provider.held.held < BIG:
+    while provider.held.chars < BIG:
         await asyncio.sleep(0.01)
     ended = await completed(other, f'text("a"); text("y".repeat({BIG})); text("b")')
     assert ended.error_text == f"exec cell output exceeds {HOST_LIMIT}"
@@ -114,7 +114,7 @@ async def test_output_that_would_pass_the_host_limit_ends_its_cell(
     assert (await completed(other, f'text("y".repeat({BIG}))')).error_text is None
     await holder.shutdown()
     await other.shutdown()
-    assert provider.held.held == 0
+    assert provider.held.chars == 0
 
 
 async def test_a_tool_input_that_would_pass_the_host_limit_is_refused(
@@ -124,7 +124,7 @@ async def test_a_tool_input_that_would_pass_the_host_limit_is_refused(
     other = await provider.create_session(RecordingDelegate())
     blocked = await start(holder, f'await tools.block({{s: "x".repeat({BIG})}})', yield_ms=10)
     assert isinstance(blocked, Yielded)
-    while provider.held.held < BIG:
+    while provider.held.chars < BIG:
         await asyncio.sleep(0.01)
     refused = await completed(
         other,
@@ -133,14 +133,14 @@ async def test_a_tool_input_that_would_pass_the_host_limit_is_refused(
     assert texts(refused) == [f"tool call refused: its input would pass {HOST_LIMIT}"]
     # Ending the holder's call gives its room back.
     await holder.terminate(blocked.cell_id)
-    assert provider.held.held == 0
+    assert provider.held.chars == 0
     echoed = await completed(
         other, f'text(String((await tools.echo({{s: "y".repeat({BIG})}})).s.length))'
     )
     assert texts(echoed) == [str(BIG)]
     await holder.shutdown()
     await other.shutdown()
-    assert provider.held.held == 0
+    assert provider.held.chars == 0
 
 
 async def test_without_a_limit_nothing_is_refused() -> None:
@@ -149,7 +149,7 @@ async def test_without_a_limit_nothing_is_refused() -> None:
         for session in sessions:
             result = await completed(session, f'store("a", "x".repeat({BIG})); text("ok")')
             assert result.error_text is None
-        assert provider.held.held > 2 * BIG
+        assert provider.held.chars > 2 * BIG
 
 
 async def test_the_host_command_applies_its_limit_over_stdio() -> None:

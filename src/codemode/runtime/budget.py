@@ -42,20 +42,20 @@ def default_held_chars(minimum: int) -> int:
 class HeldCharacters:
     """A count of the characters held for cells against ``limit`` (``None``: no limit)."""
 
-    __slots__ = ("held", "limit")
+    __slots__ = ("chars", "limit")
 
     def __init__(self, limit: int | None = None) -> None:
         if limit is not None:
             checked_count("max_held_chars", limit)
         self.limit = limit
         #: Characters held now (the sessions add and take back their own).
-        self.held = 0
+        self.chars = 0
 
     def room(self) -> int:
         """How many more characters fit (a very large number when there is no limit)."""
         if self.limit is None:
             return 1 << 62
-        return self.limit - self.held
+        return self.limit - self.chars
 
     def refusal(self) -> str:
         """The end of the text of whatever the limit refused."""

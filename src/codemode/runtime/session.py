@@ -368,7 +368,7 @@ class LocalSession(CodeModeSession):
 
     @pending_input_chars.setter
     def pending_input_chars(self, value: int) -> None:
-        self.held.held += value - self._pending_input_chars
+        self.held.chars += value - self._pending_input_chars
         self._pending_input_chars = value
 
     @property
@@ -378,7 +378,7 @@ class LocalSession(CodeModeSession):
 
     @buffered_output.setter
     def buffered_output(self, value: int) -> None:
-        self.held.held += value - self._buffered_output
+        self.held.chars += value - self._buffered_output
         self._buffered_output = value
 
     # -- the session API ---------------------------------------------------------------------------
@@ -504,7 +504,7 @@ class LocalSession(CodeModeSession):
         async with self._committing:
             # Its cells are gone and none of it will run again: the store gives its room back.
             self._store = {}
-            self.held.held -= self._store_chars
+            self.held.chars -= self._store_chars
             self._store_chars = 0
         copy, self._store_copy = self._store_copy, None
         if copy is not None and copy[0].generation == copy[1]:
@@ -602,7 +602,7 @@ class LocalSession(CodeModeSession):
                     f"exec cell store writes were discarded: they would pass {self.held.refusal()}"
                 )
             self._store.update(merged)
-            self.held.held += size - self._store_chars
+            self.held.chars += size - self._store_chars
             self._store_chars = size
             copy = self._store_copy
             if copy is not None and copy[0].generation == copy[1]:
