@@ -437,8 +437,8 @@ class NodeEngine:
 
     ``memory_cap_bytes`` bounds the child's resident memory: past it every running cell ends with
     an error. ``resident`` (shared by the engines of a provider) bounds them together: past its
-    limit the one that grew the most is stopped the same way. ``require_confinement`` turns an OS confinement
-    layer this machine lacks into an error at start instead of a warning.
+    limit the one that grew the most is stopped the same way. ``require_confinement`` turns an OS
+    confinement layer this machine lacks into an error at start instead of a warning.
     """
 
     def __init__(

@@ -310,9 +310,32 @@ def _missing(cell_id: CellId) -> MissingCell:
     return MissingCell(Result(cell_id, [], f"exec cell {cell_id} not found"))
 
 
+class _Held:
+    """A count of a session's characters that moves its provider's shared count (``held``) by
+    every change, so no place that changes it can forget the host's total."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._slot = f"_{name}"
+
+    def __get__(self, session: LocalSession, owner: type | None = None) -> int:
+        value: int = getattr(session, self._slot)
+        return value
+
+    def __set__(self, session: LocalSession, value: int) -> None:
+        session.held.chars += value - getattr(session, self._slot)
+        setattr(session, self._slot, value)
+
+
 class LocalSession(CodeModeSession):
     """A session of the embedded runtime: its cells run in a separate engine process, one V8
     isolate per cell (the process is the session's own unless the provider shares one)."""
+
+    #: Characters of the unsettled tool inputs and notification texts (cell.py bounds it).
+    pending_input_chars = _Held()
+    #: Characters its cells hold for observers (cell.py bounds it).
+    buffered_output = _Held()
+    #: The store's size (see :data:`MAX_STORE_CHARS`).
+    store_chars = _Held()
 
     def __init__(
         self,
@@ -336,12 +359,12 @@ class LocalSession(CodeModeSession):
         self._preparing: asyncio.Task[NodeEngine] | None = None
         self.pending_calls = 0  # unresolved nested calls and notifications of all cells
         self.callbacks_issued = 0  # nested calls and notifications its cells ever issued
-        # What the session holds for its cells counts against its provider's shared limit too.
+        # What the session holds for its cells counts against its provider's shared limit too:
+        # the _Held counts start at zero here, the only assignments that move nothing.
         self.held = HeldCharacters() if held is None else held
-        self._pending_input_chars = 0
+        self._pending_input_chars = self._buffered_output = self._store_chars = 0
         self.pending_input_values = 0  # JSON values of their inputs (at most; cell.py bounds it)
         self.pending_input_containers = 0  # their arrays and objects (at most; cell.py bounds it)
-        self._buffered_output = 0
         self.delegate = delegate
         self.limits = limits or CodeModeSessionCellExecutionLimits()
         check_limits(self.limits)
@@ -350,7 +373,6 @@ class LocalSession(CodeModeSession):
         self._store_load = store_load
         self._console = console
         self._store: dict[str, str] = {}
-        self._store_chars = 0
         self._scope = next(_scopes)
         self._committing = asyncio.Lock()
         # The engine (and its child's generation) that holds a copy of the whole store.
@@ -360,26 +382,6 @@ class LocalSession(CodeModeSession):
         self._shutting_down = False
         self._shutdown_task: asyncio.Task[None] | None = None
         self._loop = asyncio.get_running_loop()
-
-    @property
-    def pending_input_chars(self) -> int:
-        """Characters of the unsettled tool inputs and notification texts (cell.py bounds it)."""
-        return self._pending_input_chars
-
-    @pending_input_chars.setter
-    def pending_input_chars(self, value: int) -> None:
-        self.held.chars += value - self._pending_input_chars
-        self._pending_input_chars = value
-
-    @property
-    def buffered_output(self) -> int:
-        """Characters its cells hold for observers (cell.py bounds it)."""
-        return self._buffered_output
-
-    @buffered_output.setter
-    def buffered_output(self, value: int) -> None:
-        self.held.chars += value - self._buffered_output
-        self._buffered_output = value
 
     # -- the session API ---------------------------------------------------------------------------
 
@@ -504,8 +506,7 @@ class LocalSession(CodeModeSession):
         async with self._committing:
             # Its cells are gone and none of it will run again: the store gives its room back.
             self._store = {}
-            self.held.chars -= self._store_chars
-            self._store_chars = 0
+            self.store_chars = 0
         copy, self._store_copy = self._store_copy, None
         if copy is not None and copy[0].generation == copy[1]:
             copy[0].forget_store(self._scope)  # a shared engine outlives the session
@@ -597,13 +598,12 @@ class LocalSession(CodeModeSession):
                     "exec cell store writes were discarded: the session store would exceed "
                     f"{MAX_STORE_CHARS} characters"
                 )
-            if size - self._store_chars > self.held.room():
+            if size - self.store_chars > self.held.room():
                 return (
                     f"exec cell store writes were discarded: they would pass {self.held.refusal()}"
                 )
             self._store.update(merged)
-            self.held.chars += size - self._store_chars
-            self._store_chars = size
+            self.store_chars = size
             copy = self._store_copy
             if copy is not None and copy[0].generation == copy[1]:
                 engine = copy[0]
@@ -626,7 +626,7 @@ class LocalSession(CodeModeSession):
         merged: dict[str, str] = {}
         for key, value in writes:
             merged[key] = value
-        size = self._store_chars
+        size = self.store_chars
         chars = 0
         store = self._store
         for key, value in merged.items():
@@ -643,7 +643,7 @@ class LocalSession(CodeModeSession):
         if self._store_copy != (engine, engine.generation):
             # The counted size bounds the characters: a store of many small entries is sent
             # without counting them again.
-            engine.put_store(self._scope, list(self._store.items()), self._store_chars)
+            engine.put_store(self._scope, list(self._store.items()), self.store_chars)
             self._store_copy = (engine, engine.generation)
         return self._scope
 
@@ -729,8 +729,7 @@ class LocalSessionProvider(CodeModeSessionProvider):
     memory, at least what one session may hold; ``None``: no bound), ``total_memory_cap_bytes``
     the resident memory of all its engine processes together (default: half the machine's
     memory; past it the one that grew the most is stopped, its cells end; ``None``: no
-    bound). Close with
-    :meth:`aclose`.
+    bound). Close with :meth:`aclose`.
     """
 
     def __init__(
