@@ -42,6 +42,7 @@ from codemode.protocol.types import (
 from codemode.runtime import LocalSessionProvider
 from codemode.runtime.session import LocalSession
 from codemode.session import CancellationToken, CodeModeSessionDelegate
+from tests.polling import eventually
 
 ECHO = ToolDefinition("echo", ToolName("echo"), "echo")
 
@@ -65,13 +66,6 @@ class Delegate(CodeModeSessionDelegate):
 
     def cell_closed(self, cell_id: CellId) -> None:
         self.closed.append(cell_id.value)
-
-
-async def eventually(check: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture

@@ -60,6 +60,7 @@ from codemode.protocol.types import (
 )
 from codemode.runtime import LocalSessionProvider
 from codemode.session import CancellationToken, CodeModeSessionDelegate, StartedCell
+from tests.polling import eventually
 
 ECHO = ToolDefinition("echo", ToolName("echo"), "echo")
 FOREVER = "await new Promise(() => {})"
@@ -112,13 +113,6 @@ class Delegate(CodeModeSessionDelegate):
 
     def cell_closed(self, cell_id: CellId) -> None:
         self.closed.append(cell_id.value)
-
-
-async def eventually(check: Callable[[], object], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 async def cancelled(token: CancellationToken) -> None:

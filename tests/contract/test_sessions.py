@@ -25,19 +25,13 @@ from codemode.session import CancellationToken, CodeModeSession
 from tests.contract.conftest import Harness
 from tests.contract.delegate import FIXTURE_TOOLS, RecordingDelegate, function_tool
 from tests.contract.helpers import items, run, start
+from tests.polling import eventually
 
 FOREVER = "await new Promise(() => {})"
 
 
 def missing(cell: str) -> MissingCell:
     return MissingCell(Result(CellId(cell), [], f"exec cell {cell} not found"))
-
-
-async def eventually(predicate: object, timeout: float = 2.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.005)
 
 
 async def test_s01_yield_wait_terminate(harness: Harness) -> None:

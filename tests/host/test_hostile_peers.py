@@ -60,7 +60,6 @@ from tests.host.test_websocket import (
     S1,
     V1Socket,
     bulk_address,
-    eventually,
     execute,
     listening,
     open_dual,
@@ -70,6 +69,7 @@ from tests.host.test_websocket import (
     started,
     still_serving,
 )
+from tests.polling import eventually, live_cells
 from tests.rawws import Opcode
 
 # -- WebSocket -------------------------------------------------------------------------------------
@@ -456,19 +456,19 @@ async def test_callbacks_wait_for_a_websocket_client_that_does_not_read(
     are never written, and the host's buffer holds no more than what had gone out before."""
     big = 16 << 20
     sources = [f'await tools.echo({{s: "a".repeat({big})}}); text("first")']
-    sources += [
-        f'await new Promise(r => setTimeout(r, 300)); tools.echo({{s: "b".repeat({big})}}); text("k")'
-    ] * 3
-    sources.append("await new Promise(r => setTimeout(r, 300)); text((await tools.echo({n: 5})).n)")
+    sources += [f'tools.echo({{s: "b".repeat({big})}}); text("k")'] * 3
+    sources.append("text((await tools.echo({n: 5})).n)")
+    requests = [execute(10 + i, S1, source, [ECHO]) for i, source in enumerate(sources)]
     async with listening(provider) as host:
         control = await open_single(host.url)
         try:
-            await send_together(
-                control,
-                OperationRequest(1, SessionOpen(S1)),
-                *(execute(10 + i, S1, source, [ECHO]) for i, source in enumerate(sources)),
-            )
-            await asyncio.sleep(2.0)  # cells 2 to 4 end with their calls unanswered
+            # The first call backs the host's writes up before the other cells start; those then
+            # make their calls, and cells 2 to 4 end with theirs unanswered, while nothing is read.
+            await send_together(control, OperationRequest(1, SessionOpen(S1)), requests[0])
+            (served,) = host._served.values()
+            await eventually(served.backlogged, 30)
+            await send_together(control, *requests[1:])
+            await eventually(lambda: live_cells(provider) == ["1", "5"], 30)
             assert _control_write_buffer(host) < big + (1 << 20), _control_write_buffer(host)
             invoked: list[str] = []
             answered: dict[int, list[str]] = {}

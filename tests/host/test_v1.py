@@ -77,6 +77,7 @@ from codemode.session import (
     CodeModeSessionProvider,
 )
 from codemode.transports.stream import StreamTransport, pipe_transport
+from tests.polling import eventually, live_cells
 from tests.wire import HELLO, FrameReader, RawClient, frame, hello, raw_client, ready
 
 CLIENT_READ = MessageDecoder[HostToClient](HostToClient)
@@ -1131,10 +1132,8 @@ async def test_callbacks_wait_while_the_client_does_not_read_and_those_given_up_
     written; the others go out as the client reads."""
     big = 4 << 20
     sources = [f'await tools.echo({{s: "a".repeat({big})}}); text("first")']
-    sources += [
-        f'await new Promise(r => setTimeout(r, 200)); tools.echo({{s: "b".repeat({big})}}); text("k")'
-    ] * 4
-    sources.append("await new Promise(r => setTimeout(r, 200)); text((await tools.echo({n: 6})).n)")
+    sources += [f'tools.echo({{s: "b".repeat({big})}}); text("k")'] * 4
+    sources.append("text((await tools.echo({n: 6})).n)")
     async with served_over_pipes(provider) as (to_host, start_reading, transport):
         requests = [OperationRequest(1, SessionOpen(S1))] + [
             OperationRequest(
@@ -1143,10 +1142,12 @@ async def test_callbacks_wait_while_the_client_does_not_read_and_those_given_up_
             )
             for i, source in enumerate(sources)
         ]
-        # One write: the host reads them all before its first call backs its writes up.
-        os.write(to_host, b"".join(frame(m) for m in [HELLO, *requests]))
-        # Cells 2 to 5 end with their calls unanswered, while nothing is read.
-        await asyncio.sleep(1.5)
+        # The first call backs the host's writes up before the other cells start; those then
+        # make their calls, and cells 2 to 5 end with theirs unanswered, while nothing is read.
+        os.write(to_host, b"".join(frame(m) for m in [HELLO, *requests[:2]]))
+        await eventually(transport.backlogged, 30)
+        os.write(to_host, b"".join(frame(m) for m in requests[2:]))
+        await eventually(lambda: live_cells(provider) == ["1", "6"], 30)
         assert transport.unsent() < big + (1 << 20), transport.unsent()
         from_host = await start_reading()
         invoked: list[str] = []

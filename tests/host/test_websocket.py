@@ -72,6 +72,7 @@ from codemode.protocol.v1.texts import (
 )
 from codemode.runtime import LocalSessionProvider
 from tests import rawws
+from tests.polling import eventually
 from tests.rawws import HandshakeRejected, Opcode, RawWebSocket
 from tests.wire import FrameReader, frame
 
@@ -217,17 +218,6 @@ async def still_serving(url: str, token: str | None = None) -> None:
     """The listener accepts a fresh connection and completes its handshake."""
     control = await open_single(url, bearer(token))
     await control.close()
-
-
-async def eventually(condition: Any, timeout: float = 5.0, step: float = 0.01) -> float:
-    """Wait until ``condition()`` is true; returns how long it took."""
-    loop = asyncio.get_running_loop()
-    start = loop.time()
-    while not condition():
-        if loop.time() - start > timeout:
-            raise AssertionError("the condition did not become true in time")
-        await asyncio.sleep(step)
-    return loop.time() - start
 
 
 def logged(caplog: pytest.LogCaptureFixture) -> list[str]:

@@ -28,6 +28,7 @@ from codemode.session import (
     CodeModeSession,
 )
 from tests.contract.delegate import ECHO, RecordingDelegate, function_tool
+from tests.polling import eventually
 from tests.sandbox.conftest import Canary, Harness, assert_no_escape, finish, js, texts
 
 SECRET = function_tool("secret", "B's secret tool")
@@ -71,14 +72,6 @@ async def start(
 async def still_running(session: CodeModeSession, cell: CellId) -> None:
     outcome = await asyncio.wait_for(session.wait(WaitRequest(cell, 50)), 10)
     assert outcome == LiveCell(Yielded(cell, [])), outcome
-
-
-async def eventually(predicate: object, timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():  # type: ignore[operator]
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 async def test_stores_are_per_session(harness: Harness, canary: Canary) -> None:
