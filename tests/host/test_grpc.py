@@ -1174,14 +1174,33 @@ async def test_a_client_gone_silent_loses_its_sessions_at_the_keepalive_timeout(
         await host.aclose()
 
 
+async def _count_until_closed(lease: Lease, cells: int, *kinds: str) -> dict[str, int]:
+    """Read the lease until ``cells`` cells closed (and a moment after); how many events of
+    each of ``kinds`` came."""
+    counts = dict.fromkeys(kinds, 0)
+    closed = 0
+    while closed < cells:
+        kind = (await lease.next()).WhichOneof("event")
+        closed += kind == "cell_closed"
+        if kind in counts:
+            counts[kind] += 1
+    with contextlib.suppress(TimeoutError):
+        while True:
+            kind = (await lease.next(0.5)).WhichOneof("event")
+            if kind in counts:
+                counts[kind] += 1
+    return counts
+
+
 @pytest.mark.timeout(60)
-async def test_calls_revoked_while_their_subscriber_does_not_read_keep_no_input(
+async def test_calls_revoked_while_their_subscriber_does_not_read_are_never_written(
     provider: LocalSessionProvider,
 ) -> None:
     """Finding: a subscriber that does not read keeps the host's queue of its tool calls; a call
     revoked there (its cell ended) stayed queued with its input until the subscriber's turn came:
     9 cells that each made a 20 MB call and ended held 180 M characters in a host whose client
-    read nothing. Now a revoked call keeps only its id there, and is skipped when read."""
+    read nothing. Now a revoked call leaves the queue at once, is never written, and has no
+    cancellation: the client never saw it."""
     host = GrpcHost(provider, "grpc://127.0.0.1:0")
     channel, stub = await _connect(host)
     try:
@@ -1206,16 +1225,15 @@ async def test_calls_revoked_while_their_subscriber_does_not_read_keep_no_input(
             outcome = await _outcome(call)
             assert _texts(outcome) == ["end"]
         (session,) = host._sessions.values()
-        queue = session.subscriptions[0].queue
-        queued = [item for item in queue._queue if item is not None]  # type: ignore[attr-defined]
-        assert len(queued) >= 3  # the subscriber read none of them
-        assert all(item.message is None for item in queued)
-        # Read now: what was already on its way arrives; nothing revoked in the queue does.
+        assert len(session.subscriptions[0].queue) == 0
+        # Read now: what was already on its way arrives, and only that is cancelled.
         received = []
         with contextlib.suppress(TimeoutError):
             while True:
                 received.append(await asyncio.wait_for(subscription.read(), 1.0))
-        assert len(received) <= len(calls) - len(queued)
+        assert len(received) < len(calls)  # the subscriber read none while they were made
+        counts = await _count_until_closed(lease, len(calls), "tool_call_cancelled")
+        assert counts == {"tool_call_cancelled": len(received)}
         subscription.cancel()
     finally:
         await channel.close()
@@ -1224,32 +1242,41 @@ async def test_calls_revoked_while_their_subscriber_does_not_read_keep_no_input(
 
 @pytest.mark.timeout(60)
 async def test_notifications_revoked_before_their_lease_wrote_them_are_never_written(
-    stub: Stub,
+    provider: LocalSessionProvider,
 ) -> None:
     """The lease's own queue: a notification revoked (its cell terminated) while the client did
-    not read the lease stayed queued with its text, and was written later, before its cancel.
-    Now it is let go unwritten; the cancel still comes."""
-    lease = await _open(stub)
-    big = 8 << 20
-    cells = []
-    for _ in range(4):
-        call = _execute(
-            stub,
-            lease,
-            f'notify("x".repeat({big})); await new Promise(() => {{}})',
-            yield_time_ms=100,
+    not read the lease stayed queued with its text, and was written later, before its cancel;
+    cells that notified 1,000 times each and were terminated left 2,000 events each on the
+    lease. Now a notification not written yet is let go with nothing in its place, and no
+    cancellation follows it: the client never saw it."""
+    host = GrpcHost(provider, "grpc://127.0.0.1:0")
+    channel, stub = await _connect(host)
+    try:
+        lease = await _open(stub)
+        big = 8 << 20
+        sources = [f'notify("x".repeat({big})); await new Promise(() => {{}})'] * 3
+        sources.append(
+            'for (let i = 0; i < 1000; i++) notify("n" + i); await new Promise(() => {})'
         )
-        started = await _started(call)
-        assert (await _outcome(call)).WhichOneof("outcome") == "yielded"
-        cells.append(started.cell_id)
-    for cell_id in cells:
-        response = await stub.Terminate(
-            pb.TerminateRequest(session_id=lease.session_id, cell_id=cell_id)
+        cells = []
+        for source in sources:
+            call = _execute(stub, lease, source, yield_time_ms=100)
+            started = await _started(call)
+            assert (await _outcome(call)).WhichOneof("outcome") == "yielded"
+            cells.append(started.cell_id)
+        for cell_id in cells:
+            response = await stub.Terminate(
+                pb.TerminateRequest(session_id=lease.session_id, cell_id=cell_id)
+            )
+            assert response.live_cell.WhichOneof("outcome") == "terminated"
+        (session,) = host._sessions.values()
+        assert len(session.lease) < 3 + len(cells)  # what went out before, and the cells' closing
+        counts = await _count_until_closed(
+            lease, len(cells), "notification", "notification_cancelled"
         )
-        assert response.live_cell.WhichOneof("outcome") == "terminated"
-    notified, cancelled = 0, 0
-    while cancelled < len(cells):
-        kind = (await lease.next()).WhichOneof("event")
-        notified += kind == "notification"
-        cancelled += kind == "notification_cancelled"
-    assert notified <= 1  # what was already on its way when the client stopped reading
+        # What was already on its way when the client stopped reading, and its cancellation.
+        assert counts["notification"] <= 1
+        assert counts["notification_cancelled"] == counts["notification"]
+    finally:
+        await channel.close()
+        await host.aclose()

@@ -36,7 +36,7 @@ from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, NoReturn, cast
+from typing import Any, Final, Generic, NoReturn, TypeVar, cast
 
 # The runtime forks engine processes (with a pre-exec hook); gRPC's fork handlers make such
 # children crash while gRPC threads run. Off unless the environment says otherwise; it only
@@ -92,6 +92,7 @@ from codemode.session import (
 __all__ = ["GrpcAddress", "GrpcHost", "GrpcHostOptions", "GrpcTls", "serve_grpc"]
 
 logger = logging.getLogger("codemode.host")
+_T = TypeVar("_T")
 
 Context = aio.ServicerContext[Any, Any]
 
@@ -355,6 +356,53 @@ class _Remembered:
         self._ids.pop(value, None)
 
 
+class _Outbox(Generic[_T]):
+    """What one stream of a session will write, in order. An entry withdrawn before its turn
+    is never written, and nothing of it stays: a client that does not read a stream keeps
+    only what is still wanted, however many cells give their callbacks up meanwhile."""
+
+    __slots__ = ("_ended", "_entries", "_keys", "_ready")
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[object, _T] = OrderedDict()
+        self._keys = itertools.count()
+        self._ready = asyncio.Event()
+        self._ended = False
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, entry: _T, key: object = None) -> None:
+        """Queue ``entry``; ``key`` names it for :meth:`withdraw`."""
+        if not self._ended:
+            self._entries[next(self._keys) if key is None else key] = entry
+            self._ready.set()
+
+    def withdraw(self, key: object) -> bool:
+        """Take the entry ``key`` back; false when it is not waiting (written, or never put)."""
+        return self._entries.pop(key, None) is not None
+
+    def take_all(self) -> list[_T]:
+        """Everything still waiting, in order, taken out."""
+        entries = list(self._entries.values())
+        self._entries.clear()
+        return entries
+
+    def end(self) -> None:
+        """No more entries: :meth:`get` returns ``None`` once those waiting were taken."""
+        self._ended = True
+        self._ready.set()
+
+    async def get(self) -> _T | None:
+        """The next entry, or ``None`` at the end."""
+        while not self._entries:
+            if self._ended:
+                return None
+            self._ready.clear()
+            await self._ready.wait()
+        return self._entries.popitem(last=False)[1]
+
+
 class _Status(Exception):
     """An RPC ends with this status (raised inside, turned into ``context.abort``)."""
 
@@ -380,16 +428,17 @@ class _Execution:
 @dataclass(eq=False, slots=True)
 class _Invocation:
     invocation_id: str
-    message: pb.ToolCall | None  # None once revoked: a queue may still hold it, not its input
+    message: pb.ToolCall
     name: tuple[str, str | None]
     future: asyncio.Future[JSON]
-    delivered: bool = False
+    #: The subscription it was routed to (``None`` while no subscription matches it).
+    routed: _Subscription | None = None
 
 
 @dataclass(eq=False, slots=True)
 class _Subscription:
     names: frozenset[tuple[str, str | None]]
-    queue: asyncio.Queue[_Invocation | None] = field(default_factory=asyncio.Queue)
+    queue: _Outbox[_Invocation] = field(default_factory=_Outbox)
 
     def matches(self, name: tuple[str, str | None]) -> bool:
         return not self.names or name in self.names
@@ -415,7 +464,7 @@ class _Session:
         self.host = host
         self.session_id = session_id
         self.runtime: CodeModeSession | None = None
-        self.lease: asyncio.Queue[pb.SessionEvent | None] = asyncio.Queue()
+        self.lease: _Outbox[pb.SessionEvent] = _Outbox()
         self.closing = False
         self.closed = asyncio.Event()
         self.close_task: asyncio.Task[None] | None = None
@@ -427,9 +476,6 @@ class _Session:
         self.subscriptions: list[_Subscription] = []
         self.round_robin = itertools.count()
         self.notifications: dict[str, asyncio.Future[None]] = {}
-        # Notification events queued on the lease and not yet written: one revoked meanwhile is
-        # emptied there (a lease its client does not read would keep every revoked text).
-        self.unwritten_notifications: dict[str, pb.SessionEvent] = {}
         self.retired_notifications = _Remembered()
         self.wait_ids = _Remembered()
         self.waits: dict[str, _Wait] = {}
@@ -443,9 +489,10 @@ class _Session:
 
     # -- events ---------------------------------------------------------------------------------
 
-    def send(self, event: pb.SessionEvent) -> None:
+    def send(self, event: pb.SessionEvent, key: str | None = None) -> None:
+        """Queue ``event`` on the lease (``key`` names it for withdrawal)."""
         if not self.closed.is_set():
-            self.lease.put_nowait(event)
+            self.lease.put(event, key)
 
     def cell(self, cell_id: CellId) -> asyncio.Future[_Execution]:
         future = self.cells.get(cell_id)
@@ -468,8 +515,8 @@ class _Session:
             self.undelivered.append(invocation)
             return
         chosen = matching[next(self.round_robin) % len(matching)]
-        invocation.delivered = True
-        chosen.queue.put_nowait(invocation)
+        invocation.routed = chosen
+        chosen.queue.put(invocation, invocation.invocation_id)
 
     def subscribe(self, subscription: _Subscription) -> None:
         self.subscriptions.append(subscription)
@@ -481,11 +528,9 @@ class _Session:
         with contextlib.suppress(ValueError):
             self.subscriptions.remove(subscription)
         # What it did not write yet goes to another subscription (or waits for one).
-        while not subscription.queue.empty():
-            invocation = subscription.queue.get_nowait()
-            if invocation is not None and invocation.invocation_id in self.invocations:
-                invocation.delivered = False
-                self.route(invocation)
+        for invocation in subscription.queue.take_all():
+            invocation.routed = None
+            self.route(invocation)
 
     def revoke_invocation(self, invocation_id: str, *, grace: bool = False) -> None:
         """The host no longer wants ``invocation_id``. With ``grace`` (the runtime revoked it)
@@ -494,13 +539,14 @@ class _Session:
         invocation = self.invocations.pop(invocation_id, None)
         if invocation is None:
             return
-        # A subscriber that does not read keeps it in its queue until its turn (then skipped):
-        # only the id stays, not an input of up to 64 MiB per revoked call.
-        invocation.message = None
         self.pending -= 1
-        with contextlib.suppress(ValueError):
-            self.undelivered.remove(invocation)
-        if invocation.delivered:
+        routed = invocation.routed
+        if routed is None:
+            with contextlib.suppress(ValueError):
+                self.undelivered.remove(invocation)
+        elif not routed.queue.withdraw(invocation_id):
+            # Written: the client may be running it. One never written is only taken back,
+            # so a subscriber that does not read holds nothing of it (its input may be 64 MiB).
             self.send(
                 pb.SessionEvent(
                     tool_call_cancelled=pb.ToolCallCancelled(invocation_id=invocation_id)
@@ -515,14 +561,14 @@ class _Session:
             return
         self.pending -= 1
         self.retired_notifications.add(notification_id)
-        unwritten = self.unwritten_notifications.pop(notification_id, None)
-        if unwritten is not None:
-            unwritten.ClearField("notification")  # skipped by the lease, its text let go
-        self.send(
-            pb.SessionEvent(
-                notification_cancelled=pb.NotificationCancelled(notification_id=notification_id)
+        # A notification the lease has not written yet is only taken back: the client never
+        # saw it, and a lease it does not read keeps nothing of it.
+        if not self.lease.withdraw(notification_id):
+            self.send(
+                pb.SessionEvent(
+                    notification_cancelled=pb.NotificationCancelled(notification_id=notification_id)
+                )
             )
-        )
         _settle_later(future, None, grace)
 
     # -- the end --------------------------------------------------------------------------------
@@ -553,8 +599,8 @@ class _Session:
             for execution in self.executions.values():
                 self.host._release_cell(execution)
             for subscription in list(self.subscriptions):
-                subscription.queue.put_nowait(None)
-            self.lease.put_nowait(None)
+                subscription.queue.end()
+            self.lease.end()
             self.closed.set()
             self.host._forget(self)
             logger.info(
@@ -654,8 +700,7 @@ class _HostDelegate(CodeModeSessionDelegate):
                 text=text,
             )
         )
-        session.unwritten_notifications[notification_id] = event
-        session.send(event)
+        session.send(event, notification_id)
         cancellation.add_callback(lambda: session.revoke_notification(notification_id, grace=True))
         await future
 
@@ -792,11 +837,6 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
                 event = await session.lease.get()
                 if event is None:
                     return
-                kind = event.WhichOneof("event")
-                if kind == "notification":
-                    session.unwritten_notifications.pop(event.notification.notification_id, None)
-                elif kind is None:
-                    continue  # a notification revoked before its turn
                 yield event
         finally:
             # Dropped lease (cancelled, disconnected) or an orderly close: the session ends.
@@ -843,9 +883,7 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
                 invocation = await subscription.queue.get()
                 if invocation is None:
                     return
-                message = invocation.message
-                if message is not None and invocation.invocation_id in session.invocations:
-                    yield message
+                yield invocation.message
         finally:
             session.unsubscribe(subscription)
 
