@@ -282,6 +282,21 @@ CASES: list[tuple[str, str, list[Any], str | None]] = [
     ("R90", 'await import("fs")', [], "unsupported import in exec"),
     ("R91", 'throw "plain"', [], "plain"),
     ("R92", 'throw new Error("boom")', [], "^Error: boom"),
+    # A cell that names itself with `//# sourceURL` (V8 reports its positions untranslated): the
+    # error text has the columns of its first line as the model wrote them (upstream 0.171.0).
+    (
+        "R92b",
+        'text(1); throw new Error("x")\n//# sourceURL=cell.js',
+        items("1"),
+        "Error: x\n    at cell.js:1:16",
+    ),
+    (
+        "R92c",
+        'async function f() { await null; throw new Error("a") } await f() '
+        "//# sourceURL=http://h/a.js",
+        [],
+        "Error: a\n    at f (http://h/a.js:1:40)\n    at async http://h/a.js:1:57",
+    ),
     ("R93", "throw {a: 1}", [], "[object Object]"),
     ("R94", 'throw {stack: "custom stack"}', [], "custom stack"),
     ("R95", "const = 1", [], "^SyntaxError"),

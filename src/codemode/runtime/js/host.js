@@ -494,6 +494,31 @@ class Cell {
 // to a global.
 const WRAP_HEAD = "(function ($imprt) { return async function () {'use strict';";
 const WRAP_TAIL = '\n}; })';
+// V8 takes no offset off the positions of a script that names itself with a `//# sourceURL`
+// comment: its frames on the first line count the header's columns. The prelude takes them off
+// the cell's error texts, given the name V8 took, which V8 itself tells: the same body under a
+// header that reads its own stack, compiled under a file name no sourceURL can be (it holds a
+// space). Only for a source that mentions sourceURL.
+const PROBE_HEAD = "[new Error().stack, async function () {'use strict';";
+const PROBE_TAIL = '\n}][0]';
+const PROBE_FILE = 'no source url';
+const PROBE_FRAME = /^Error\n    at (.+):1:\d+$/;
+
+// The name the cell's script reports its frames by when the source names it, else null.
+function sourceUrlOf(cell, body) {
+  if (!body.includes('sourceURL')) return null;
+  try {
+    const probe = cell.isolate.compileScriptSync(PROBE_HEAD + body + PROBE_TAIL, {
+      filename: PROBE_FILE,
+    });
+    const stack = probe.runSync(cell.context, { copy: true });
+    probe.release();
+    const frame = PROBE_FRAME.exec(String(stack));
+    return frame !== null && frame[1] !== PROBE_FILE ? frame[1] : null;
+  } catch (ignored) {
+    return null;
+  }
+}
 
 // A fresh isolate with the prelude installed, made while nothing waits for it: the next cell
 // with the same memory limit takes it (each isolate still serves exactly one cell).
@@ -688,6 +713,7 @@ function exec(message) {
   }
   let error = null;
   let fn = null;
+  let sourceUrl = null;
   try {
     // As a module first: its parser's verdict (syntax, static imports) is the one that counts.
     const module = cell.isolate.compileModuleSync(message.source, { filename: 'exec_main.mjs' });
@@ -710,6 +736,7 @@ function exec(message) {
       });
       fn = script.runSync(cell.context, { reference: true });
       script.release();
+      sourceUrl = sourceUrlOf(cell, body);
     } catch (thrown) {
       // Valid as a module but not as a function body (`export`, `import.meta`): not a cell.
       error = compileErrorText(thrown);
@@ -720,7 +747,7 @@ function exec(message) {
     return;
   }
   send({ t: 'started', cell: cell.id });
-  cell.enter('run', fn.derefInto());
+  cell.enter('run', fn.derefInto(), sourceUrl);
   fn.release(); // what derefInto passed is the isolate's own now
 }
 

@@ -137,6 +137,29 @@
     }
     return done === 0 ? line : out + stringSlice(line, done);
   }
+  // A cell whose source names it with `//# sourceURL=NAME` reports its frames as `NAME:L:C`, and
+  // V8 takes no offset off them: on line 1 they count the wrapper's columns, taken off here. The
+  // name is V8's own (host.js); null for a cell that has none.
+  let sourceUrlOnLine1 = null; // 'NAME:1:'
+  function shiftSourceUrlFrame(line) {
+    if (sourceUrlOnLine1 === null) return line;
+    let end = line.length;
+    const closed = end > 0 && charCodeAt(line, end - 1) === 41;
+    if (closed) end--;
+    let digits = end;
+    while (digits > 0 && isDigit(charCodeAt(line, digits - 1))) digits--;
+    const place = digits - sourceUrlOnLine1.length;
+    if (digits === end || place < 0 ||
+        stringSlice(line, place, digits) !== sourceUrlOnLine1) return line;
+    // The place of a frame: `at f (NAME:1:C)`, `at NAME:1:C` or `at async NAME:1:C`.
+    const before = closed ? '(' : ' ';
+    if (place < 1 || stringSlice(line, place - 1, place) !== before ||
+        !reTest(FRAME_LINE, line)) return line;
+    const column = NumberOf(stringSlice(line, digits, end));
+    if (column <= wrapColumns) return line;
+    return stringSlice(line, 0, digits) + (column - wrapColumns) + (closed ? ')' : '');
+  }
+  const FRAME_LINE = /^\s+at /;
   const isDigit = (code) => code >= 48 && code <= 57;
   const isParen = (code) => code === 40 || code === 41;
   // Strings are cut and joined by hand: split, replace, join and array iteration would each look
@@ -158,7 +181,7 @@
       const ours = reTest(HOST_FRAME, line) ||
         (next !== null && reTest(STRINGIFY_FRAME, line) && reTest(HOST_FRAME, next));
       if (!ours) {
-        out += (first ? '' : '\n') + shiftEvalOrigins(line);
+        out += (first ? '' : '\n') + shiftSourceUrlFrame(shiftEvalOrigins(line));
         first = false;
       }
       line = next;
@@ -937,7 +960,8 @@
   // Cell code (the cell's body, a timer callback) is called from a microtask (later()), so that no
   // frame of this file sits under the cell's body: its stack traces show only the cell's own frames.
 
-  function run(wrapper) {
+  function run(wrapper, sourceUrl) {
+    if (typeof sourceUrl === 'string') sourceUrlOnLine1 = sourceUrl + ':1:';
     let cell;
     try {
       cell = apply(wrapper, undefined, [dynamicImport]);
@@ -1036,7 +1060,7 @@
 
   return function entry(kind, a, b, c) {
     if (kind === 'configure') configure(a, b, c);
-    else if (kind === 'run') run(a);
+    else if (kind === 'run') run(a, b);
     else if (kind === 'fail') finish(a);
     else if (kind === 'deliver') {
       turn += 1;
