@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import os
+import threading
 import time
 import tracemalloc
 from collections.abc import AsyncIterator
@@ -39,6 +40,7 @@ from codemode.protocol import (
     Yielded,
 )
 from codemode.protocol.types import ImageDetail
+from codemode.protocol.v1 import codec
 from codemode.runtime import LocalSession, LocalSessionProvider
 from codemode.runtime import cell as cell_module
 from codemode.runtime import engine as engine_module
@@ -669,3 +671,70 @@ async def test_an_exit_during_a_burst_comes_after_the_whole_burst() -> None:
     assert events.seen[-1] == ("exited", "crashed")
     await asyncio.sleep(0.01)  # the slice that was due does nothing more
     assert len(events.seen) == 101
+
+
+# -- the host's health: a large store reaches a fresh engine off the event loop -------------------
+
+
+#: Text that JSON escapes heavily, with characters of every UTF-8 length.
+ESCAPED = '\\"\x01\x1f\u2028é一😀x'
+
+
+def test_store_frames_made_in_pieces_are_those_put_store_sends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The frames of a large store, made a piece at a time, are byte for byte what one encoding of
+    # each `store` message makes (pieces cut anywhere, even between a character's escapes).
+    monkeypatch.setattr(engine_module, "STORE_PIECE_CHARS", 3)
+    monkeypatch.setattr(engine_module, "STORE_CHUNK_CHARS", 40)
+    entries = [(f"k{i}{ESCAPED[: i % 9]}", ESCAPED * i) for i in range(12)] + [("", "")]
+    frames = engine_module._store_frames(7, entries)
+    assert len(frames) > 2
+    put: list[list[str]] = []
+    for made in frames:
+        (message,) = json.loads(bytes(made[4:]))
+        assert set(message) == {"t", "scope", "put"}
+        assert bytes(made) == bytes(codec.encode_frame([message], 2**32 - 1))
+        put += message["put"]
+    assert put == [list(entry) for entry in entries]
+
+
+async def test_a_large_store_is_copied_to_a_fresh_engine_off_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Guards: a session's store reaches a fresh engine (after the session was idle, or its engine
+    # died) in frames encoded on a worker thread, a piece at a time (session.py _copy_store,
+    # engine.py put_store_off_loop). Encoded on the event loop every session shares, one frame at
+    # a time, four values of 33 M backslashes (within one session's bounds) held it for 2.3 s
+    # whenever the session ran a cell after a pause of 30 s.
+    loop_thread = threading.get_ident()
+    on_the_loop: list[int] = []  # the size of each encoding made on the loop's thread
+
+    class Watched:
+        def __init__(self, encoder: Any) -> None:
+            self._encoder = encoder
+
+        def encode(self, message: Any) -> bytes:
+            out: bytes = self._encoder.encode(message)
+            if threading.get_ident() == loop_thread:
+                on_the_loop.append(len(out))
+            return out
+
+        def encode_into(self, message: Any, buffer: bytearray, offset: int) -> None:
+            self._encoder.encode_into(message, buffer, offset)
+            if threading.get_ident() == loop_thread:
+                on_the_loop.append(len(buffer) - offset)
+
+    monkeypatch.setattr(codec, "_ENCODER", Watched(codec._ENCODER))
+    monkeypatch.setattr(engine_module, "_ENCODER", Watched(engine_module._ENCODER))
+    value = f"{json.dumps(ESCAPED)}.repeat(400000)"  # 4 M characters, 21 M in its JSON text
+    async with LocalSessionProvider(idle_engine_timeout=0.05) as quick:
+        session = await quick.create_session(RecordingDelegate())
+        stored = await run(session, f"store('k', {value}); text('stored')")
+        assert texts(stored) == ["stored"], stored.error_text
+        async with asyncio.timeout(10):
+            while session.engine is not None:  # taken back: the next cell gets a fresh one
+                await asyncio.sleep(0.01)
+        on_the_loop.clear()
+        assert texts(await run(session, f"text(String(load('k') === {value}))")) == ["true"]
+    assert on_the_loop and max(on_the_loop) < 1024 * 1024, on_the_loop

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Final, Literal, Protocol
 
 import msgspec
 
-from codemode.errors import CodeModeError, FrameError
+from codemode.errors import CodeModeError, FrameError, FrameErrorKind
 from codemode.protocol.surrogates import well_formed
 from codemode.protocol.types import ContentItem, ImageDetail, InputAudio, InputImage, InputText
 from codemode.protocol.v1.codec import NEED_DATA, FrameDecoder, encode_frame
@@ -51,6 +51,10 @@ _MAX_FRAME_TO_ENGINE: Final = 2**32 - 1
 #: Store entries travel to the engine in frames of about this many characters (however they
 #: escape, far below the longest string Node can decode, 2^29 - 24 characters).
 STORE_CHUNK_CHARS: Final = 16 * 1024 * 1024
+#: A large store's texts are encoded this many characters at a time (:func:`_store_frames`): each
+#: piece is a C call of its own, short even for text that escapes to six bytes a character, and
+#: the event loop every session shares runs between them.
+STORE_PIECE_CHARS: Final = 256 * 1024
 _ENCODER: Final = msgspec.json.Encoder()
 _reported = False  # the confinement layers are logged once per process
 
@@ -802,6 +806,27 @@ class NodeEngine:
         if chunk:
             self._send({"t": "store", "scope": scope, "put": chunk})
 
+    async def put_store_off_loop(self, scope: int, entries: list[tuple[str, str]]) -> None:
+        """:meth:`put_store` for a large store: its frames are encoded on a worker thread, a piece
+        at a time (:func:`_store_frames`), and written once made, in order, after what was queued.
+
+        Encoded on the loop, as one C call per frame, four values of 33 M backslashes (one
+        session's store within its bounds) held the event loop every session shares for 2.3 s
+        whenever they were copied to a fresh engine (after the session was idle for 30 s, or its
+        engine died). The caller keeps the store from changing meanwhile.
+        """
+        if not self.running:
+            return
+        generation = self.generation
+        frames = await asyncio.to_thread(_store_frames, scope, entries)
+        if not self.running or self.generation != generation:
+            return  # a new child holds no store: the caller's record of the copy says so
+        self._flush()  # what was queued before comes first
+        stdin = self._stdin
+        if stdin is not None and not stdin.is_closing():
+            for frame in frames:
+                stdin.write(frame)
+
     def commit_writes(self, key: int, scope: int) -> bool:
         """Apply the store writes that cell ``key``'s ``done`` carried to this engine's copy of
         the store of ``scope``; ``False`` if the child does not hold them (it is another one).
@@ -988,6 +1013,57 @@ def _decoded_writes(text: str) -> list[tuple[str, str]] | None:
         return _WRITES.decode(text)
     except (msgspec.DecodeError, UnicodeError, RecursionError) as error:
         raise EngineBreach(f"malformed store writes: {error}") from None
+
+
+def _json_string(text: str, out: bytearray) -> None:
+    """Append ``text`` to ``out`` as a JSON string, encoded :data:`STORE_PIECE_CHARS` characters
+    at a time (a Python string holds code points: any cut between them is a cut between their
+    encodings)."""
+    if len(text) <= STORE_PIECE_CHARS:
+        out += _ENCODER.encode(text)
+        return
+    out += b'"'
+    for start in range(0, len(text), STORE_PIECE_CHARS):
+        out += memoryview(_ENCODER.encode(text[start : start + STORE_PIECE_CHARS]))[1:-1]
+    out += b'"'
+
+
+def _store_frames(scope: int, entries: list[tuple[str, str]]) -> list[bytearray]:
+    """The frames :meth:`NodeEngine.put_store` sends for ``entries`` (a ``store`` message of
+    about :data:`STORE_CHUNK_CHARS` characters each), made a piece at a time."""
+    head = b'[{"t":"store","scope":' + str(int(scope)).encode() + b',"put":['
+    frames: list[bytearray] = []
+    frame: bytearray | None = None
+    size = 0
+    for key, text in entries:
+        if frame is None:
+            frame = bytearray(4) + head
+        else:
+            frame += b","
+        frame += b"["
+        _json_string(key, frame)
+        frame += b","
+        _json_string(text, frame)
+        frame += b"]"
+        size += len(key) + len(text)
+        if size >= STORE_CHUNK_CHARS:
+            frames.append(_framed(frame))
+            frame, size = None, 0
+    if frame is not None:
+        frames.append(_framed(frame))
+    return frames
+
+
+def _framed(frame: bytearray) -> bytearray:
+    frame += b"]}]"
+    length = len(frame) - 4
+    if length > _MAX_FRAME_TO_ENGINE:
+        raise FrameError(
+            FrameErrorKind.OVERSIZE,
+            f"code-mode IPC frame length {length} exceeds {_MAX_FRAME_TO_ENGINE} bytes",
+        )
+    frame[:4] = length.to_bytes(4, "little")
+    return frame
 
 
 def _resident_bytes(pid: int) -> int | None:

@@ -56,7 +56,7 @@ from codemode.runtime.cell import (
     Cell,
     EarlyYield,
 )
-from codemode.runtime.engine import DEFAULT_MEMORY_CAP_BYTES, NodeEngine
+from codemode.runtime.engine import DEFAULT_MEMORY_CAP_BYTES, THREAD_CHARS, NodeEngine
 from codemode.session import (
     CodeModeSession,
     CodeModeSessionDelegate,
@@ -427,15 +427,21 @@ class LocalSession(CodeModeSession):
     async def execute(self, request: ExecuteRequest) -> StartedCell:
         check_execute_request(request)
         self._check_open()
-        engine = await self._engine()
-        self._check_open()
-        self._cancel_idle()
+        for _ in range(2):
+            engine = await self._engine()
+            self._check_open()
+            self._cancel_idle()
+            # Held while the store is copied: an idle session's engine is not taken back then.
+            async with self._taking:
+                scope = await self._copy_store(engine)
+            self._check_open()
+            if engine.running:
+                break  # else it died while the store was copied to it: a fresh one, once
         cell_id = CellId(str(self._next_cell))
         self._next_cell += 1
         tools = list(request.enabled_tools)
         config = self._config(tools)
         cell = Cell(self, engine, cell_id, request.tool_call_id, tools)
-        scope = self._copy_store(engine)
         cell.key = engine.run_cell(cell, request.source, config, self._heap_mb, scope)
         self._cells[cell_id] = cell
         early = EarlyYield()
@@ -612,8 +618,18 @@ class LocalSession(CodeModeSession):
                     or sent_by[0] is not engine
                     or not engine.commit_writes(sent_by[1], self._scope)
                 ):
-                    engine.put_store(self._scope, list(merged.items()), chars)
+                    await self._put_store(engine, list(merged.items()), chars)
         return None
+
+    async def _put_store(
+        self, engine: NodeEngine, entries: list[tuple[str, str]], chars: int
+    ) -> None:
+        # Under the commit lock (the store does not change meanwhile). A large store is encoded
+        # off the event loop, which every session shares.
+        if chars < THREAD_CHARS:
+            engine.put_store(self._scope, entries, chars)
+        else:
+            await engine.put_store_off_loop(self._scope, entries)
 
     def _merge(self, writes: list[tuple[str, str]]) -> tuple[dict[str, str], int, int]:
         # The writes as texts, merged first: the engine is untrusted, and a key written twice
@@ -635,16 +651,21 @@ class LocalSession(CodeModeSession):
             chars += len(key) + len(value)
         return merged, size, chars
 
-    def _copy_store(self, engine: NodeEngine) -> int | None:
+    async def _copy_store(self, engine: NodeEngine) -> int | None:
         # The engine keeps a copy of the store (Python's is the one that counts): an engine
         # (or a child of it) that has none gets all of it, once; later commits follow it there.
         if not self._store_load:
             return None
         if self._store_copy != (engine, engine.generation):
-            # The counted size bounds the characters: a store of many small entries is sent
-            # without counting them again.
-            engine.put_store(self._scope, list(self._store.items()), self.store_chars)
-            self._store_copy = (engine, engine.generation)
+            # Under the commit lock: no commit changes the store while it is copied, and the
+            # cells of executes that come meanwhile wait for the copy.
+            async with self._committing:
+                generation = engine.generation
+                if self._store_copy != (engine, generation):
+                    # The counted size bounds the characters: a store of many small entries is
+                    # sent without counting them again.
+                    await self._put_store(engine, list(self._store.items()), self.store_chars)
+                    self._store_copy = (engine, generation)
         return self._scope
 
     def forget(self, cell: Cell) -> None:
