@@ -7,16 +7,19 @@ exit, hang or raise an unexpected exception type, and the model must get a clear
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import math
+import struct
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from codemode.errors import CodeModeError
-from codemode.model import CodeMode, ToolRegistry
+from codemode.model import CodeMode, ToolRegistry, render
 from codemode.model.exec_tool import ARGUMENTS_TOO_DEEP, parse_wait_arguments
 from codemode.model.registry import Deny, Tool
 from codemode.model.toolfile import load_tool_file
@@ -378,6 +381,33 @@ async def test_an_error_text_with_a_huge_line_number_is_rendered(code_mode: Code
     assert rendered.to_json()[-1]["text"].startswith(
         f"Script error:\nError: at exec_main.mjs:{huge}:1 and exec_main.mjs:2:2\n"
     )
+
+
+def test_a_wav_clip_of_millions_of_chunks_is_not_walked_to_its_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An audio item's tokens come from its WAV clip's duration, found by walking its RIFF chunks
+    # (render.py). A cell's 12 MB clip of 8-byte chunks took 1.5 million steps of Python, 0.9 s
+    # of the event loop of the agent that rendered it, at every observation; now at most
+    # MAX_WAV_CHUNKS are read, and such a clip counts as its URL, as any clip not measurable.
+    steps = 0
+
+    def unpack_from(layout: str, buffer: bytes, offset: int = 0) -> tuple[Any, ...]:
+        nonlocal steps
+        steps += 1
+        return struct.unpack_from(layout, buffer, offset)
+
+    monkeypatch.setattr(render, "struct", SimpleNamespace(unpack_from=unpack_from))
+    fmt = b"fmt " + struct.pack("<IHHIIHH", 16, 1, 1, 8000, 8000, 1, 8)
+    junk = b"junk\0\0\0\0" * (12 * 1024 * 1024 // 8)
+    body = b"WAVE" + fmt + junk + b"data" + struct.pack("<I", 8000) + b"\0" * 8000
+    url = "data:audio/wav;base64," + base64.b64encode(b"RIFF" + b"\0" * 4 + body).decode()
+    assert render.audio_token_estimate(url) == render.estimate_tokens(url)
+    assert steps <= 2 * render.MAX_WAV_CHUNKS + 2
+    # A real clip (its chunks found first) is measured whatever comes after them.
+    body = b"WAVE" + fmt + b"data" + struct.pack("<I", 8000) + b"\0" * 8000 + junk
+    url = "data:audio/wav;base64," + base64.b64encode(b"RIFF" + b"\0" * 4 + body).decode()
+    assert render.audio_token_estimate(url) == 10
 
 
 # -- tool files -------------------------------------------------------------------------------

@@ -49,6 +49,10 @@ DEFAULT_IMAGE_DETAIL: Final = ImageDetail.HIGH
 _BYTES_PER_TOKEN: Final = 4
 _ONE_DECIMAL: Final = Decimal("0.1")
 _WALL_TIME_DIGITS: Final = 320  # the largest double has 309 digits before the point
+#: The most RIFF chunks read to find a WAV clip's ``fmt `` and ``data`` chunks (a real file has a
+#: handful). Each costs a step of Python: a cell's 12 MB clip of 8-byte chunks held the event loop
+#: of the agent that rendered it for 0.9 s. A clip with more is not measurable (its URL counts).
+MAX_WAV_CHUNKS: Final = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +172,12 @@ def wav_duration_frames(data: bytes) -> tuple[int, int] | None:
     offset = 12
     sample_rate = block_align = None
     usable = None
-    while offset + 8 <= len(data):
+    chunks = 0
+    # Nothing a later chunk holds changes the outcome once both are found.
+    while offset + 8 <= len(data) and (sample_rate is None or usable is None):
+        chunks += 1
+        if chunks > MAX_WAV_CHUNKS:
+            return None
         chunk_id = data[offset : offset + 4]
         (chunk_size,) = struct.unpack_from("<I", data, offset + 4)
         body = offset + 8
