@@ -215,7 +215,7 @@ async def test_empty_tool_call_id(harness: Harness) -> None:
             lambda: session.execute(request(tool_call_id="")),
             CodeModeError,
             "gRPC code-mode execution failed: INVALID_ARGUMENT: "
-            "invalid code-mode tool_call_id: must not be empty",
+            "code-mode tool call ID must not be empty",
         )
         await usable(session)
         return

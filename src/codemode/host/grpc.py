@@ -67,7 +67,7 @@ from codemode.protocol.grpc.constants import (
     SERVICE_NAME,
     SERVICE_PATH_PREFIX,
 )
-from codemode.protocol.grpc.identifiers import check_request_identifier
+from codemode.protocol.grpc.identifiers import canonical_uuid, check_request_identifier
 from codemode.protocol.options import checked_count, checked_seconds
 from codemode.protocol.texts import (
     PROVIDER_DOES_NOT_SUPPORT_LIMITS,
@@ -475,8 +475,8 @@ class _Session:
         self.undelivered: list[_Invocation] = []
         self.subscriptions: list[_Subscription] = []
         self.round_robin = itertools.count()
+        self.retired_invocations = _Remembered()  # completed or revoked: completing is a no-op
         self.notifications: dict[str, asyncio.Future[None]] = {}
-        self.retired_notifications = _Remembered()
         self.wait_ids = _Remembered()
         self.waits: dict[str, _Wait] = {}
         self.cancelled_waits = _Remembered()
@@ -540,6 +540,7 @@ class _Session:
         if invocation is None:
             return
         self.pending -= 1
+        self.retired_invocations.add(invocation_id)
         routed = invocation.routed
         if routed is None:
             with contextlib.suppress(ValueError):
@@ -560,7 +561,6 @@ class _Session:
         if future is None:
             return
         self.pending -= 1
-        self.retired_notifications.add(notification_id)
         # A notification the lease has not written yet is only taken back: the client never
         # saw it, and a lease it does not read keeps nothing of it.
         if not self.lease.withdraw(notification_id):
@@ -743,11 +743,9 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
     # -- helpers --------------------------------------------------------------------------------
 
     def _session(self, session_id: str, *, allow_closing: bool = False) -> _Session:
-        try:
-            check_request_identifier("session_id", session_id, uuid=True)
-        except WireConversionError as error:
-            raise _Status(grpc.StatusCode.INVALID_ARGUMENT, error.message) from None
-        session = self._host._sessions.get(session_id)
+        # Any spelling of the UUID names the session (upstream parses it); the unknown-session
+        # text repeats the spelling sent.
+        session = self._host._sessions.get(self._identifier("session_id", session_id, uuid=True))
         if session is None:
             raise _Status(grpc.StatusCode.NOT_FOUND, texts.unknown_session(session_id))
         if session.closing and not allow_closing:
@@ -755,11 +753,13 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
         return session
 
     @staticmethod
-    def _identifier(field_name: str, value: str) -> str:
+    def _identifier(field_name: str, value: str, *, uuid: bool = False) -> str:
+        """``value`` checked (§3), as its canonical UUID spelling when ``uuid``."""
         try:
-            return check_request_identifier(field_name, value)
+            check_request_identifier(field_name, value, uuid=uuid)
         except WireConversionError as error:
             raise _Status(grpc.StatusCode.INVALID_ARGUMENT, error.message) from None
+        return canonical_uuid(value) if uuid else value
 
     @contextlib.contextmanager
     def _in_flight(self) -> Iterator[None]:
@@ -895,11 +895,17 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
         # refused on a busy host, the client fails its whole session (§6.3).
         try:
             session = self._session(request.session_id)
-            invocation_id = self._identifier("invocation_id", request.invocation_id)
+            invocation_id = self._identifier("invocation_id", request.invocation_id, uuid=True)
             invocation = session.invocations.pop(invocation_id, None)
             if invocation is None:
+                # Upstream 0.171.0 answers OK to a completion of an invocation it issued and no
+                # longer waits for (completed, cancelled, its cell ended); NOT_FOUND is for ids it
+                # never issued.
+                if invocation_id in session.retired_invocations:
+                    return pb.CompleteToolCallResponse()
                 raise _Status(grpc.StatusCode.NOT_FOUND, texts.unknown_invocation(invocation_id))
             session.pending -= 1
+            session.retired_invocations.add(invocation_id)
             future = invocation.future
             outcome = request.WhichOneof("outcome")
             if outcome == "succeeded":
@@ -908,7 +914,7 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
                 except strict_json.JSONError as error:
                     future.set_exception(CodeModeError(texts.CLIENT_RETURNED_INVALID_TOOL_RESULT))
                     raise _Status(
-                        grpc.StatusCode.INVALID_ARGUMENT, texts.invalid_tool_result(str(error))
+                        grpc.StatusCode.INVALID_ARGUMENT, texts.tool_output_not_json(str(error))
                     ) from None
                 future.set_result(value)
             elif outcome == "failed":
@@ -916,8 +922,7 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
             else:
                 future.set_exception(CodeModeError(texts.CLIENT_RETURNED_INVALID_TOOL_RESULT))
                 raise _Status(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    texts.invalid_tool_result(texts.TOOL_RESULT_OMITTED_OUTCOME),
+                    grpc.StatusCode.INVALID_ARGUMENT, texts.TOOL_COMPLETION_MISSING_OUTCOME
                 )
         except _Status as status:
             await self._abort(context, status)
@@ -929,19 +934,15 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
         # Not an in-flight request either (see CompleteToolCall): without it the cell never ends.
         try:
             session = self._session(request.session_id)
-            notification_id = self._identifier("notification_id", request.notification_id)
+            notification_id = self._identifier(
+                "notification_id", request.notification_id, uuid=True
+            )
             future = session.notifications.pop(notification_id, None)
             if future is None:
-                if notification_id in session.retired_notifications:
-                    raise _Status(
-                        grpc.StatusCode.ALREADY_EXISTS,
-                        texts.notification_already_retired(notification_id),
-                    )
-                raise _Status(
-                    grpc.StatusCode.NOT_FOUND, texts.unknown_notification(notification_id)
-                )
+                # Upstream 0.171.0 answers OK to any acknowledgement of a well-formed id: unknown,
+                # twice, or after its NotificationCancelled.
+                return pb.AcknowledgeNotificationResponse()
             session.pending -= 1
-            session.retired_notifications.add(notification_id)
             if not future.done():
                 future.set_result(None)
         except _Status as status:
@@ -1031,11 +1032,11 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
         try:
             with self._in_flight():
                 session = self._session(request.session_id)
-                wait_id = self._identifier("wait_id", request.wait_id)
-                try:
+                try:  # the cell id first, as upstream checks them
                     domain = conversions.wait_request_to_domain(request)
                 except WireConversionError as error:
                     raise _Status(grpc.StatusCode.INVALID_ARGUMENT, error.message) from None
+                wait_id = self._identifier("wait_id", request.wait_id)
                 if wait_id in session.wait_ids or wait_id in session.waits:
                     raise _Status(grpc.StatusCode.ALREADY_EXISTS, texts.wait_id_reused(wait_id))
                 session.wait_ids.add(wait_id)
@@ -1068,12 +1069,14 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
     def _wait_outcome(
         self, session: _Session, wait: _Wait, task: asyncio.Task[WaitOutcome]
     ) -> WaitOutcome:
-        if wait.cancelled:
+        # A Wait the session's close (CloseSession, a dropped lease) ended is cancelled like one
+        # CancelWait ended: upstream 0.171.0 says "code-mode wait was cancelled" for both.
+        if wait.cancelled or task.cancelled():
             raise _Status(grpc.StatusCode.CANCELLED, texts.WAIT_WAS_CANCELLED)
-        if task.cancelled():
-            raise _Status(grpc.StatusCode.CANCELLED, texts.SESSION_IS_CLOSED)
         error = task.exception()
         if isinstance(error, CodeModeError):
+            if session.closing:
+                raise _Status(grpc.StatusCode.CANCELLED, texts.WAIT_WAS_CANCELLED)
             raise self._runtime_error(session, error)
         return task.result()
 
@@ -1085,12 +1088,7 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
                 session = self._session(request.session_id)
                 which = request.WhichOneof("observation")
                 if which is None:
-                    raise _Status(
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        texts.invalid_yield_observation_request(
-                            texts.YIELD_OBSERVATION_OMITTED_OBSERVATION
-                        ),
-                    )
+                    raise _Status(grpc.StatusCode.INVALID_ARGUMENT, texts.MISSING_OBSERVATION_ID)
                 if which == "wait_id":
                     wait_id = self._identifier("wait_id", request.wait_id)
                     wait = session.waits.get(wait_id)

@@ -51,14 +51,21 @@ runtime_responses = st.one_of(
 wait_outcomes = st.one_of(runtime_responses.map(LiveCell), runtime_responses.map(MissingCell))
 tool_names = st.builds(ToolName, text, st.none() | text)
 kinds = st.sampled_from(CodeModeToolKind)
-tool_definitions = st.builds(
-    ToolDefinition, text, tool_names, text, kinds, json_values, json_values
+#: Tool definitions a host accepts: names non-empty and at most 256 bytes (upstream's checks).
+host_tool_definitions = st.builds(
+    ToolDefinition,
+    identifiers,
+    st.builds(ToolName, identifiers, st.none() | st.text(max_size=64)),
+    text,
+    kinds,
+    json_values,
+    json_values,
 )
 execute_requests = st.builds(
     ExecuteRequest,
     tool_call_id=identifiers,
     source=text,
-    enabled_tools=st.lists(tool_definitions, max_size=3),
+    enabled_tools=st.lists(host_tool_definitions, max_size=3),
     yield_time_ms=st.none() | u64,
     max_output_tokens=st.none() | st.integers(0, I32_MAX),  # an i32 in the domain
 )

@@ -239,7 +239,7 @@ def test_cell_ids_of_exactly_256_bytes_are_accepted(cell_id: str) -> None:
 # -- tools ------------------------------------------------------------------------------------------------
 
 
-@given(s.tool_definitions)
+@given(s.host_tool_definitions)
 def test_tool_definitions_round_trip(tool: ToolDefinition) -> None:
     assert c.tool_definition_to_domain(wire(c.tool_definition_to_proto(tool))) == tool
 
@@ -296,29 +296,60 @@ def test_a_schema_that_is_not_json_cannot_be_sent(schema: Any, detail: str) -> N
 def test_a_tool_definition_without_tool_name_is_an_invalid_execute_request() -> None:
     with pytest.raises(WireConversionError) as raised:
         c.tool_definition_to_domain(pb.ToolDefinition(name="echo", kind=pb.TOOL_KIND_FUNCTION))
-    assert str(raised.value) == (
-        "invalid code-mode execute request: enabled tool `echo` omitted its tool_name"
-    )
+    assert str(raised.value) == "tool definition is missing its tool name"
 
 
-@pytest.mark.parametrize(
-    ("kind", "detail"),
-    [
-        (0, "enabled tool `echo` has kind TOOL_KIND_UNSPECIFIED"),
-        (3, "enabled tool `echo` has unknown kind 3"),
-        (-7, "enabled tool `echo` has unknown kind -7"),
-    ],
-)
-def test_a_tool_definition_without_a_valid_kind_is_an_invalid_execute_request(
-    kind: int, detail: str
-) -> None:
+@pytest.mark.parametrize("kind", [0, 3, -7])
+def test_a_tool_definition_without_a_valid_kind_is_an_invalid_execute_request(kind: int) -> None:
     tool_name = pb.ToolName(name="echo")
     proto = wire(
         pb.ToolDefinition(name="echo", tool_name=tool_name, kind=pb.ToolKind.ValueType(kind))
     )
     with pytest.raises(WireConversionError) as raised:
         c.tool_definition_to_domain(proto)
-    assert str(raised.value) == f"invalid code-mode execute request: {detail}"
+    assert str(raised.value) == "tool definition has an invalid kind"
+
+
+@pytest.mark.parametrize(
+    ("tool", "text"),
+    [
+        # Upstream 0.171.0's texts and order: name, tool_name, its name, namespace, kind, schemas.
+        (pb.ToolDefinition(), "code-mode tool definition name must not be empty"),
+        (pb.ToolDefinition(name="a" * 257), "code-mode tool definition name exceeds 256 bytes"),
+        (pb.ToolDefinition(name="t", kind=7), "tool definition is missing its tool name"),
+        (
+            pb.ToolDefinition(name="t", tool_name=pb.ToolName(), input_schema_json=b"{"),
+            "code-mode tool name must not be empty",
+        ),
+        (
+            pb.ToolDefinition(name="t", tool_name=pb.ToolName(name="é" * 128 + "a")),
+            "code-mode tool name exceeds 256 bytes",
+        ),
+        (
+            pb.ToolDefinition(name="t", tool_name=pb.ToolName(name="t", namespace="a" * 257)),
+            "code-mode tool namespace exceeds 256 bytes",
+        ),
+        (
+            pb.ToolDefinition(name="t", tool_name=pb.ToolName(name="t"), input_schema_json=b"{"),
+            "tool definition has an invalid kind",
+        ),
+    ],
+)
+def test_tool_definitions_are_checked_in_upstreams_order(
+    tool: pb.ToolDefinition, text: str
+) -> None:
+    with pytest.raises(WireConversionError) as raised:
+        c.tool_definition_to_domain(wire(tool))
+    assert str(raised.value) == text
+
+
+def test_tool_names_of_256_bytes_and_empty_namespaces_are_accepted() -> None:
+    tool = pb.ToolDefinition(
+        name="a" * 256,
+        tool_name=pb.ToolName(name="b" * 256, namespace=""),
+        kind=pb.TOOL_KIND_FREEFORM,
+    )
+    assert c.tool_definition_to_domain(wire(tool)).tool_name == ToolName("b" * 256, "")
 
 
 @pytest.mark.parametrize("field", ["input_schema_json", "output_schema_json"])
@@ -342,9 +373,7 @@ def test_a_schema_that_is_not_strict_json_is_an_invalid_execute_request(
     setattr(proto, field, data)
     with pytest.raises(WireConversionError) as raised:
         c.tool_definition_to_domain(proto)
-    prefix = (
-        f"invalid code-mode execute request: {field} of enabled tool `echo` is not valid JSON: "
-    )
+    prefix = f"invalid tool {field.removesuffix('_schema_json')} schema: "
     assert str(raised.value).startswith(prefix)
     if detail is not None:
         assert str(raised.value) == prefix + detail
@@ -528,19 +557,17 @@ def test_execute_request_integers_out_of_range_are_refused(field: str, value: in
 
 
 @pytest.mark.parametrize("value", [I32_MAX + 1, U64_MAX])
-def test_max_output_tokens_past_an_i32_is_an_invalid_execute_request(value: int) -> None:
-    # A uint64 on this wire, an i32 in the domain: the host answers as V1's H6 does.
+def test_max_output_tokens_past_an_i32_saturate(value: int) -> None:
+    # A uint64 on this wire, an i32 in the domain: upstream 0.171.0 accepts any value.
     proto = pb.ExecuteRequest(tool_call_id="c", max_output_tokens=value)
-    with pytest.raises(WireConversionError) as raised:
-        c.execute_request_to_domain(proto)
-    assert str(raised.value) == f"invalid code-mode execute request: {OUT_OF_RANGE}"
+    assert c.execute_request_to_domain(proto).max_output_tokens == I32_MAX
 
 
 @pytest.mark.parametrize(
     ("tool_call_id", "text"),
     [
-        ("", "invalid code-mode tool_call_id: must not be empty"),
-        ("x" * 257, "invalid code-mode tool_call_id: must be at most 256 bytes"),
+        ("", "code-mode tool call ID must not be empty"),
+        ("x" * 257, "code-mode tool call ID exceeds 256 bytes"),
     ],
 )
 def test_an_execute_request_with_a_bad_tool_call_id_is_refused(
@@ -564,9 +591,7 @@ def test_the_first_bad_tool_definition_names_the_error() -> None:
     )
     with pytest.raises(WireConversionError) as raised:
         c.execute_request_to_domain(proto)
-    assert str(raised.value) == (
-        "invalid code-mode execute request: enabled tool `b` omitted its tool_name"
-    )
+    assert str(raised.value) == "tool definition is missing its tool name"
 
 
 @given(s.wait_requests)
@@ -583,7 +608,7 @@ def test_wait_requests_refuse_out_of_range_times_and_bad_cell_ids() -> None:
         assert str(raised.value) == OUT_OF_RANGE
     with pytest.raises(WireConversionError) as raised:
         c.wait_request_to_domain(pb.WaitRequest(cell_id=""))
-    assert str(raised.value) == "invalid code-mode cell_id: must not be empty"
+    assert str(raised.value) == "code-mode cell ID must not be empty"
 
 
 # -- session limits ---------------------------------------------------------------------------------------

@@ -67,13 +67,29 @@ def test_every_uuid_in_its_usual_spelling_is_accepted(value: uuid.UUID) -> None:
     assert ids.is_uuid(value.hex)
 
 
+@pytest.mark.parametrize("field", ["invocation_id", "notification_id"])
+def test_a_host_requires_uuid_invocation_and_notification_ids(field: str) -> None:
+    what = {"invocation_id": "tool invocation", "notification_id": "notification"}[field]
+    with pytest.raises(WireConversionError) as raised:
+        ids.check_request_identifier(field, "a" * 256, uuid=True)
+    assert str(raised.value) == f"code-mode {what} ID must be a UUID"
+
+
+def test_the_canonical_spelling_of_a_uuid() -> None:
+    value = uuid.uuid4()
+    for spelling in (str(value).upper(), value.hex, f"{{{value}}}", f"urn:uuid:{value}"):
+        assert ids.canonical_uuid(spelling) == str(value)
+
+
 @pytest.mark.parametrize(
     ("value", "text"),
     [
-        ("", "invalid code-mode session_id: must not be empty"),
-        ("a" * 257, "invalid code-mode session_id: must be at most 256 bytes"),
-        ("é" * 129, "invalid code-mode session_id: must be at most 256 bytes"),
-        ("not-a-uuid", "invalid code-mode session_id: must be a UUID"),
+        # Upstream 0.171.0's texts.
+        ("", "code-mode session ID must not be empty"),
+        ("a" * 257, "code-mode session ID exceeds 256 bytes"),
+        ("é" * 129, "code-mode session ID exceeds 256 bytes"),
+        ("not-a-uuid", "code-mode session ID must be a UUID"),
+        ("a" * 256, "code-mode session ID must be a UUID"),
     ],
 )
 def test_a_host_refuses_a_malformed_session_id(value: str, text: str) -> None:
@@ -82,17 +98,25 @@ def test_a_host_refuses_a_malformed_session_id(value: str, text: str) -> None:
     assert str(raised.value) == text
 
 
-@pytest.mark.parametrize("field", ["execution_id", "wait_id", "tool_call_id", "cell_id"])
-def test_opaque_request_identifiers_are_only_bounded(field: str) -> None:
+@pytest.mark.parametrize(
+    ("field", "what"),
+    [
+        ("execution_id", "execution"),
+        ("wait_id", "wait"),
+        ("tool_call_id", "tool call"),
+        ("cell_id", "cell"),
+    ],
+)
+def test_opaque_request_identifiers_are_only_bounded(field: str, what: str) -> None:
     for value in ("1", "not-a-uuid", "a" * 256, "é" * 128, "🙂" * 64, "\ud800" * 85):
         assert ids.check_request_identifier(field, value) == value
     with pytest.raises(WireConversionError) as raised:
         ids.check_request_identifier(field, "")
-    assert str(raised.value) == f"invalid code-mode {field}: must not be empty"
+    assert str(raised.value) == f"code-mode {what} ID must not be empty"
     for value in ("a" * 257, "é" * 128 + "a", "🙂" * 64 + "a", "\ud800" * 86):
         with pytest.raises(WireConversionError) as raised:
             ids.check_request_identifier(field, value)
-        assert str(raised.value) == f"invalid code-mode {field}: must be at most 256 bytes"
+        assert str(raised.value) == f"code-mode {what} ID exceeds 256 bytes"
 
 
 @pytest.mark.parametrize("what", ["session ID", "cell ID", "tool call ID", "notification call ID"])

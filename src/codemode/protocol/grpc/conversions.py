@@ -27,8 +27,16 @@ from codemode.protocol.constants import I32_MAX, U64_MAX
 from codemode.protocol.delegation import CallbackFailed, ToolReturned
 from codemode.protocol.grpc import texts
 from codemode.protocol.grpc import v1_pb2 as pb
-from codemode.protocol.grpc.constants import MAX_MESSAGE_BYTES, MAX_TOOL_ERROR_MESSAGE_BYTES
-from codemode.protocol.grpc.identifiers import check_host_identifier, check_request_identifier
+from codemode.protocol.grpc.constants import (
+    MAX_IDENTIFIER_BYTES,
+    MAX_MESSAGE_BYTES,
+    MAX_TOOL_ERROR_MESSAGE_BYTES,
+)
+from codemode.protocol.grpc.identifiers import (
+    check_host_identifier,
+    check_request_identifier,
+    identifier_bytes,
+)
 from codemode.protocol.surrogates import well_formed
 from codemode.protocol.types import (
     JSON,
@@ -279,46 +287,50 @@ def tool_definition_to_proto(tool: ToolDefinition) -> pb.ToolDefinition:
     return proto
 
 
-def _schema_to_domain(tool: pb.ToolDefinition, field: str, present: bool, data: bytes) -> JSON:
+def _schema_to_domain(which: str, present: bool, data: bytes) -> JSON:
     if not present:
         return None
     try:
         return strict_json.loads(data)
     except strict_json.JSONError as error:
-        detail = texts.tool_schema_not_json(tool.name, field, str(error))
-        raise WireConversionError(texts.invalid_execute_request(detail)) from None
+        raise WireConversionError(texts.tool_schema_not_json(which, str(error))) from None
+
+
+def _check_bounded(what: str, value: str) -> None:
+    if not value:
+        raise WireConversionError(texts.tool_field_empty(what))
+    if identifier_bytes(value) > MAX_IDENTIFIER_BYTES:
+        raise WireConversionError(texts.tool_field_too_long(what))
 
 
 def tool_definition_to_domain(tool: pb.ToolDefinition) -> ToolDefinition:
-    """Convert a tool definition (host side): ``tool_name`` present, a kind other than
-    ``TOOL_KIND_UNSPECIFIED``, schemas strict JSON; else ``invalid code-mode execute request``."""
+    """Convert a tool definition (host side), checked in upstream 0.171.0's order and with its
+    texts: ``name`` non-empty and at most 256 bytes, ``tool_name`` present with such a name, a
+    namespace of at most 256 bytes (empty is allowed), a kind other than
+    ``TOOL_KIND_UNSPECIFIED``, then the input and the output schema strict JSON."""
+    _check_bounded("tool definition name", tool.name)
     if not tool.HasField("tool_name"):
-        raise WireConversionError(
-            texts.invalid_execute_request(texts.tool_omitted_tool_name(tool.name))
-        )
-    value = int(tool.kind)
-    kind = _KIND_TO_DOMAIN.get(value)
+        raise WireConversionError(texts.TOOL_DEFINITION_MISSING_TOOL_NAME)
+    _check_bounded("tool name", tool.tool_name.name)
+    namespace = tool.tool_name.namespace
+    if identifier_bytes(namespace) > MAX_IDENTIFIER_BYTES:
+        raise WireConversionError(texts.tool_field_too_long("tool namespace"))
+    kind = _KIND_TO_DOMAIN.get(int(tool.kind))
     if kind is None:
-        detail = (
-            texts.tool_kind_unspecified(tool.name)
-            if value == pb.TOOL_KIND_UNSPECIFIED
-            else texts.tool_kind_unknown(tool.name, value)
-        )
-        raise WireConversionError(texts.invalid_execute_request(detail))
+        raise WireConversionError(texts.TOOL_DEFINITION_INVALID_KIND)
+    input_schema = _schema_to_domain(
+        "input", tool.HasField("input_schema_json"), tool.input_schema_json
+    )
+    output_schema = _schema_to_domain(
+        "output", tool.HasField("output_schema_json"), tool.output_schema_json
+    )
     return ToolDefinition(
         tool.name,
         tool_name_to_domain(tool.tool_name),
         tool.description,
         kind,
-        _schema_to_domain(
-            tool, "input_schema_json", tool.HasField("input_schema_json"), tool.input_schema_json
-        ),
-        _schema_to_domain(
-            tool,
-            "output_schema_json",
-            tool.HasField("output_schema_json"),
-            tool.output_schema_json,
-        ),
+        input_schema,
+        output_schema,
     )
 
 
@@ -406,17 +418,14 @@ def execute_request_to_proto(
 
 def execute_request_to_domain(request: pb.ExecuteRequest) -> ExecuteRequest:
     """Convert an execute request (host side): ``tool_call_id`` is checked (§3), then every tool
-    definition, then ``max_output_tokens``, a uint64 here but an i32 in the domain
-    (``invalid code-mode execute request: out of range integral type conversion attempted``, V1's
-    H6 for a value out of its range). ``session_id`` and ``execution_id`` are the caller's to
-    check, first."""
+    definition. ``max_output_tokens``, a uint64 here but an i32 in the domain, saturates at the
+    i32's maximum (upstream 0.171.0 accepts any uint64; no output is that long).
+    ``session_id`` and ``execution_id`` are the caller's to check, first."""
     tool_call_id = check_request_identifier("tool_call_id", request.tool_call_id)
     enabled_tools = [tool_definition_to_domain(tool) for tool in request.enabled_tools]
     max_output_tokens = None
     if request.HasField("max_output_tokens"):
-        max_output_tokens = request.max_output_tokens
-        if max_output_tokens > I32_MAX:
-            raise WireConversionError(texts.invalid_execute_request(WireConversionError().message))
+        max_output_tokens = min(request.max_output_tokens, I32_MAX)
     return ExecuteRequest(
         tool_call_id=tool_call_id,
         source=request.source,

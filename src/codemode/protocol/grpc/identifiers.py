@@ -1,8 +1,9 @@
 """The identifier rules of the gRPC carriage (``grpc.md`` §3), for both sides.
 
 * A host checks what a client sent: :func:`check_request_identifier` raises
-  :class:`~codemode.errors.WireConversionError` with ``invalid code-mode ⟨field⟩: ⟨reason⟩``, which
-  the host answers with ``INVALID_ARGUMENT`` (§12.1).
+  :class:`~codemode.errors.WireConversionError` with ``code-mode ⟨what⟩ ID ⟨reason⟩`` (upstream
+  0.171.0's texts), which the host answers with ``INVALID_ARGUMENT`` (§12.1). Ids that must be
+  UUIDs are looked up by their :func:`canonical_uuid`, as upstream does (it parses them).
 * A client checks what a host sent: :func:`check_host_identifier`, :func:`check_invocation_id` and
   :func:`check_notification_id` raise :class:`~codemode.errors.RemoteProtocolError`: the host broke
   the protocol and the session fails (§10 †, §13.4).
@@ -15,6 +16,7 @@ Lengths are counted in UTF-8 bytes. "A UUID" is any of the four spellings the re
 from __future__ import annotations
 
 import re
+import uuid as uuid_module
 from typing import Final
 
 from codemode.errors import RemoteProtocolError, WireConversionError
@@ -22,6 +24,7 @@ from codemode.protocol.grpc import texts
 from codemode.protocol.grpc.constants import MAX_IDENTIFIER_BYTES
 
 __all__ = [
+    "canonical_uuid",
     "check_host_identifier",
     "check_invocation_id",
     "check_notification_id",
@@ -48,6 +51,11 @@ def is_uuid(value: str) -> bool:
     return _UUID.fullmatch(value) is not None
 
 
+def canonical_uuid(value: str) -> str:
+    """The lower-case hyphenated spelling of a UUID ``value`` (one :func:`is_uuid` accepts)."""
+    return str(uuid_module.UUID(value))
+
+
 def _too_long(value: str) -> bool:
     # Four bytes per character at most: short identifiers skip the encoding.
     return len(value) > MAX_IDENTIFIER_BYTES // 4 and identifier_bytes(value) > MAX_IDENTIFIER_BYTES
@@ -55,10 +63,11 @@ def _too_long(value: str) -> bool:
 
 def check_request_identifier(field: str, value: str, *, uuid: bool = False) -> str:
     """Host side: ``value`` (the proto field ``field``) is non-empty, at most 256 bytes and, when
-    ``uuid``, a UUID; return it, else raise ``invalid code-mode ⟨field⟩: ⟨reason⟩``.
+    ``uuid``, a UUID; return it, else raise ``code-mode ⟨what⟩ ID ⟨reason⟩``.
 
-    §3 requires a UUID of ``session_id`` only; ``execution_id``, ``wait_id``, ``tool_call_id``
-    and ``cell_id`` are bounded but opaque.
+    A host requires UUIDs of ``session_id``, ``invocation_id`` and ``notification_id`` (upstream
+    0.171.0 parses all three); ``execution_id``, ``wait_id``, ``tool_call_id`` and ``cell_id``
+    are bounded but opaque.
     """
     if not value:
         raise WireConversionError(texts.invalid_identifier(field, texts.IDENTIFIER_EMPTY))

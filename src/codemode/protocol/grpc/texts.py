@@ -47,50 +47,59 @@ INVOCATION_ID_NOT_UUID: Final = "code-mode tool invocation ID must be a UUID"
 NOTIFICATION_ID_NOT_UUID: Final = "code-mode notification ID must be a UUID"
 
 # -- identifiers a client sent (host side, §3, §12.1) ------------------------------------------------
+# Upstream 0.171.0's texts, which win over §12.1's "invalid code-mode ⟨field⟩: ⟨reason⟩" (its
+# Decision left them open): "code-mode ⟨what⟩ ID must not be empty", "… exceeds 256 bytes", "… must
+# be a UUID", ⟨what⟩ naming the proto field as below.
+
+#: The ⟨what⟩ of each identifier field a host checks.
+IDENTIFIER_NAMES: Final = {
+    "session_id": "session",
+    "execution_id": "execution",
+    "wait_id": "wait",
+    "cell_id": "cell",
+    "tool_call_id": "tool call",
+    "invocation_id": "tool invocation",
+    "notification_id": "notification",
+}
 
 
 def invalid_identifier(field: str, reason: str) -> str:
-    """§12.1 "invalid code-mode ⟨field⟩: ⟨reason⟩"; ⟨field⟩ is the proto field (``session_id``)."""
-    return f"invalid code-mode {field}: {reason}"
+    """ "code-mode ⟨what⟩ ID ⟨reason⟩"; ``field`` is the proto field (``session_id``)."""
+    return f"code-mode {IDENTIFIER_NAMES.get(field, field)} ID {reason}"
 
 
-# The ⟨reason⟩s are this project's (§12.1 Decision).
 #: ⟨reason⟩ of an empty identifier.
 IDENTIFIER_EMPTY: Final = "must not be empty"
 #: ⟨reason⟩ of an identifier over ``MAX_IDENTIFIER_BYTES``.
-IDENTIFIER_TOO_LONG: Final = f"must be at most {MAX_IDENTIFIER_BYTES} bytes"
+IDENTIFIER_TOO_LONG: Final = f"exceeds {MAX_IDENTIFIER_BYTES} bytes"
 #: ⟨reason⟩ of an identifier that must be a UUID and is not.
 IDENTIFIER_NOT_UUID: Final = "must be a UUID"
 
 # -- execute requests and session limits ---------------------------------------------------------
+# An invalid tool definition is INVALID_ARGUMENT with upstream 0.171.0's texts (§12.1's
+# "invalid code-mode execute request: ⟨detail⟩" is not what upstream says).
+
+#: An enabled tool without ``tool_name``.
+TOOL_DEFINITION_MISSING_TOOL_NAME: Final = "tool definition is missing its tool name"
+#: An enabled tool whose kind is ``TOOL_KIND_UNSPECIFIED`` or no ``ToolKind`` value.
+TOOL_DEFINITION_INVALID_KIND: Final = "tool definition has an invalid kind"
 
 
-def invalid_execute_request(detail: str) -> str:
-    """§12.1 "invalid code-mode execute request: ⟨detail⟩" (the same wording as V1's H6)."""
-    return f"invalid code-mode execute request: {detail}"
+def tool_field_empty(what: str) -> str:
+    """ "code-mode ⟨what⟩ must not be empty" (``tool definition name``, ``tool name``)."""
+    return f"code-mode {what} must not be empty"
 
 
-# The ⟨detail⟩s of an invalid execute request are this project's; ⟨name⟩ is ``ToolDefinition.name``.
+def tool_field_too_long(what: str) -> str:
+    """ "code-mode ⟨what⟩ exceeds 256 bytes" (``tool definition name``, ``tool name``,
+    ``tool namespace``)."""
+    return f"code-mode {what} exceeds {MAX_IDENTIFIER_BYTES} bytes"
 
 
-def tool_omitted_tool_name(name: str) -> str:
-    """⟨detail⟩: an enabled tool without ``tool_name``."""
-    return f"enabled tool `{name}` omitted its tool_name"
-
-
-def tool_kind_unspecified(name: str) -> str:
-    """⟨detail⟩: an enabled tool whose kind is ``TOOL_KIND_UNSPECIFIED``."""
-    return f"enabled tool `{name}` has kind TOOL_KIND_UNSPECIFIED"
-
-
-def tool_kind_unknown(name: str, value: int) -> str:
-    """⟨detail⟩: an enabled tool whose kind is no ``ToolKind`` value."""
-    return f"enabled tool `{name}` has unknown kind {value}"
-
-
-def tool_schema_not_json(name: str, field: str, detail: str) -> str:
-    """⟨detail⟩: ``input_schema_json`` / ``output_schema_json`` is not strict UTF-8 JSON."""
-    return f"{field} of enabled tool `{name}` is not valid JSON: {detail}"
+def tool_schema_not_json(which: str, detail: str) -> str:
+    """ "invalid tool ⟨input|output⟩ schema: ⟨detail⟩": a schema that is not strict UTF-8 JSON
+    (⟨detail⟩ is this project's JSON parser's; upstream's is serde_json's)."""
+    return f"invalid tool {which} schema: {detail}"
 
 
 def tool_input_schema_not_encodable(detail: str) -> str:
@@ -173,18 +182,8 @@ def wait_id_reused(wait_id: str) -> str:
     return f"code-mode wait ID `{wait_id}` was reused"
 
 
-def notification_already_retired(notification_id: str) -> str:
-    """§7, §12.1 ``ALREADY_EXISTS`` "code-mode notification ⟨id⟩ was already retired"."""
-    return f"code-mode notification {notification_id} was already retired"
-
-
-def unknown_notification(notification_id: str) -> str:
-    """§7, §12.1 ``NOT_FOUND`` "unknown code-mode notification ⟨id⟩"."""
-    return f"unknown code-mode notification {notification_id}"
-
-
 def unknown_invocation(invocation_id: str) -> str:
-    """§6.3, §12.1 ``NOT_FOUND`` "unknown code-mode tool invocation ⟨id⟩"."""
+    """§6.3, §12.1 ``NOT_FOUND`` "unknown code-mode tool invocation ⟨id⟩" (an id never issued)."""
     return f"unknown code-mode tool invocation {invocation_id}"
 
 
@@ -192,22 +191,16 @@ def unknown_invocation(invocation_id: str) -> str:
 CLIENT_RETURNED_INVALID_TOOL_RESULT: Final = "code-mode client returned an invalid tool result"
 
 
-def invalid_tool_result(detail: str) -> str:
-    """The ``INVALID_ARGUMENT`` message of such a ``CompleteToolCall`` (this project's wording)."""
-    return f"{CLIENT_RETURNED_INVALID_TOOL_RESULT}: {detail}"
+def tool_output_not_json(detail: str) -> str:
+    """``INVALID_ARGUMENT`` of a ``CompleteToolCall`` whose ``output_json`` is not strict JSON:
+    "invalid code-mode tool output JSON: ⟨detail⟩" (upstream's; ⟨detail⟩ is this project's)."""
+    return f"invalid code-mode tool output JSON: {detail}"
 
 
-#: ⟨detail⟩ of a ``CompleteToolCall`` without ``succeeded``/``failed`` (this project's).
-TOOL_RESULT_OMITTED_OUTCOME: Final = "the request has no outcome"
-
-
-def invalid_yield_observation_request(detail: str) -> str:
-    """``INVALID_ARGUMENT`` of a ``YieldObservation`` without ``observation`` (this project's)."""
-    return f"invalid code-mode yield observation request: {detail}"
-
-
-#: ⟨detail⟩ of a ``YieldObservation`` with no ``observation`` set (this project's).
-YIELD_OBSERVATION_OMITTED_OBSERVATION: Final = "no observation is set"
+#: ``INVALID_ARGUMENT`` of a ``CompleteToolCall`` without ``succeeded``/``failed`` (upstream's).
+TOOL_COMPLETION_MISSING_OUTCOME: Final = "tool completion is missing its outcome"
+#: ``INVALID_ARGUMENT`` of a ``YieldObservation`` without ``observation`` (upstream's).
+MISSING_OBSERVATION_ID: Final = "missing code-mode observation ID"
 
 #: §12.1 ``CANCELLED`` "code-mode session is closed".
 SESSION_IS_CLOSED: Final = "code-mode session is closed"
