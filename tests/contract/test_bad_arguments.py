@@ -210,7 +210,7 @@ async def test_bad_limits_refuse_the_session(harness: Harness) -> None:
 
 async def test_empty_tool_call_id(harness: Harness) -> None:
     session = await harness.session()
-    if harness.name == "grpc":  # grpc.md §3: tool_call_id is non-empty on that carrier
+    if harness.name in ("grpc", "upstream-grpc"):  # grpc.md §3: non-empty on that carrier
         await refused(
             lambda: session.execute(request(tool_call_id="")),
             CodeModeError,

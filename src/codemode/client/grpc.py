@@ -827,7 +827,15 @@ class _Binding:
             raise RemoteProtocolError(texts.execution_changed_cell(record.cell_id, cell_id))
 
     def _maybe_release(self, record: _Execution) -> None:
-        if record.claimed and record.closed and record.notifications == 0:
+        # Its tool callbacks too have ended (CellClosed cancelled them), as on V1: the delegate
+        # sees a callback's cancellation before the cell's ``cell_closed``, however close together
+        # the host sent them.
+        if (
+            record.claimed
+            and record.closed
+            and record.notifications == 0
+            and not record.invocations
+        ):
             self._release(record)
 
     def _release(self, record: _Execution) -> None:
@@ -1071,7 +1079,10 @@ class _Binding:
     def _invoked(self, invocation_id: str, callback: _Callback, result: CallbackResult) -> None:
         if self._invocations.get(invocation_id) is callback:
             del self._invocations[invocation_id]
-        callback.record.invocations.discard(invocation_id)
+        record = callback.record
+        record.invocations.discard(invocation_id)
+        if not record.released:
+            self._maybe_release(record)
         if callback.cancelled or self._stopped:
             return  # §6.4: a cancelled invocation is never completed
         if isinstance(result, ToolReturned | CallbackFailed):
