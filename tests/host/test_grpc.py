@@ -267,7 +267,7 @@ async def test_tool_failures_and_invalid_results_reject_in_javascript(stub: Stub
         )
     )
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert error.details().startswith("invalid code-mode tool output JSON: ")
+    assert (error.details() or "").startswith("invalid code-mode tool output JSON: ")
     outcome = await _outcome(call)
     assert _texts(outcome) == [
         "nope",
@@ -497,11 +497,11 @@ async def test_requests_missing_their_oneof_have_upstreams_texts(stub: Stub) -> 
         grpc.StatusCode.INVALID_ARGUMENT,
         "missing code-mode observation ID",
     )
-    tool = pb.ToolDefinition(name="t", tool_name=pb.ToolName(name="t"), kind=1)
+    tool = pb.ToolDefinition(name="t", tool_name=pb.ToolName(name="t"), kind=pb.TOOL_KIND_FUNCTION)
     tool.input_schema_json = b"{"
     error = await _status(_execute(stub, lease, "text(1)", tools=(tool,)).read())
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert error.details().startswith("invalid tool input schema: ")
+    assert (error.details() or "").startswith("invalid tool input schema: ")
 
 
 async def test_wait_id_reuse_and_second_observer(stub: Stub) -> None:

@@ -316,7 +316,10 @@ def test_a_tool_definition_without_a_valid_kind_is_an_invalid_execute_request(ki
         # Upstream 0.171.0's texts and order: name, tool_name, its name, namespace, kind, schemas.
         (pb.ToolDefinition(), "code-mode tool definition name must not be empty"),
         (pb.ToolDefinition(name="a" * 257), "code-mode tool definition name exceeds 256 bytes"),
-        (pb.ToolDefinition(name="t", kind=7), "tool definition is missing its tool name"),
+        (
+            pb.ToolDefinition(name="t", kind=pb.ToolKind.ValueType(7)),
+            "tool definition is missing its tool name",
+        ),
         (
             pb.ToolDefinition(name="t", tool_name=pb.ToolName(), input_schema_json=b"{"),
             "code-mode tool name must not be empty",
