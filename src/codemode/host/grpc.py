@@ -896,7 +896,7 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
         try:
             session = self._session(request.session_id)
             invocation_id = self._identifier("invocation_id", request.invocation_id, uuid=True)
-            invocation = session.invocations.pop(invocation_id, None)
+            invocation = session.invocations.get(invocation_id)
             if invocation is None:
                 # Upstream 0.171.0 answers OK to a completion of an invocation it issued and no
                 # longer waits for (completed, cancelled, its cell ended); NOT_FOUND is for ids it
@@ -904,26 +904,28 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
                 if invocation_id in session.retired_invocations:
                     return pb.CompleteToolCallResponse()
                 raise _Status(grpc.StatusCode.NOT_FOUND, texts.unknown_invocation(invocation_id))
-            session.pending -= 1
-            session.retired_invocations.add(invocation_id)
-            future = invocation.future
+            # An invalid completion is refused and changes nothing: the invocation still waits
+            # for a valid one, as upstream 0.171.0's host does (§6.3 rejected the cell's call).
             outcome = request.WhichOneof("outcome")
+            value: JSON = None
             if outcome == "succeeded":
                 try:
                     value = strict_json.loads(request.succeeded.output_json)
                 except strict_json.JSONError as error:
-                    future.set_exception(CodeModeError(texts.CLIENT_RETURNED_INVALID_TOOL_RESULT))
                     raise _Status(
                         grpc.StatusCode.INVALID_ARGUMENT, texts.tool_output_not_json(str(error))
                     ) from None
-                future.set_result(value)
-            elif outcome == "failed":
-                future.set_exception(CodeModeError(request.failed.message))
-            else:
-                future.set_exception(CodeModeError(texts.CLIENT_RETURNED_INVALID_TOOL_RESULT))
+            elif outcome != "failed":
                 raise _Status(
                     grpc.StatusCode.INVALID_ARGUMENT, texts.TOOL_COMPLETION_MISSING_OUTCOME
                 )
+            del session.invocations[invocation_id]
+            session.pending -= 1
+            session.retired_invocations.add(invocation_id)
+            if outcome == "succeeded":
+                invocation.future.set_result(value)
+            else:
+                invocation.future.set_exception(CodeModeError(request.failed.message))
         except _Status as status:
             await self._abort(context, status)
         return pb.CompleteToolCallResponse()

@@ -187,8 +187,6 @@ def unknown_invocation(invocation_id: str) -> str:
     return f"unknown code-mode tool invocation {invocation_id}"
 
 
-#: §6.3 what the JS promise rejects with when a ``CompleteToolCall`` has no outcome or bad JSON.
-CLIENT_RETURNED_INVALID_TOOL_RESULT: Final = "code-mode client returned an invalid tool result"
 
 
 def tool_output_not_json(detail: str) -> str:
