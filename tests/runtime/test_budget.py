@@ -67,6 +67,46 @@ def test_the_limit_is_checked() -> None:
     assert HeldCharacters(10).room() == 10
 
 
+def test_past_half_the_limit_a_session_grows_only_to_an_equal_share() -> None:
+    held = HeldCharacters(100)
+    assert held.room(0) == 100  # nobody holds anything: all of it
+    held.chars, held.holders = 90, 1
+    assert held.room(90) == 10  # alone, it may take the rest
+    assert held.room(0) == 10  # a newcomer gets what is left
+    held.chars, held.holders = 60, 2  # 55 and 5
+    assert held.room(55) == -5  # past its share of 50: no more
+    assert held.room(5) == 40  # up to its share, within what is left
+    assert held.refusal(55, 1) == (
+        "its session's share (50 characters, 2 sessions) of the host's limit of 100 characters "
+        "held for the cells of all its sessions"
+    )
+    assert held.refusal(5, 41) == (
+        "the host's limit of 100 characters held for the cells of all its sessions"
+    )
+    held.chars, held.holders = 40, 3  # below half the limit, anyone may grow up to it
+    assert held.room(35) == 10
+
+
+async def test_a_session_past_its_share_cannot_take_the_rest_from_the_others(
+    provider: LocalSessionProvider,
+) -> None:
+    hog = await provider.create_session(RecordingDelegate())
+    other = await provider.create_session(RecordingDelegate())
+    # Alone it may grow (up to half the limit, and past it to all of it while alone).
+    assert (await completed(hog, 'store("a", "x".repeat(450000))')).error_text is None
+    assert (await completed(other, 'store("b", "y".repeat(100000))')).error_text is None
+    assert provider.held.holders == 2
+    refused = await completed(hog, 'store("c", "x".repeat(200000))')
+    assert refused.error_text == (
+        "exec cell store writes were discarded: they would pass its session's share "
+        f"({LIMIT // 2} characters, 2 sessions) of {HOST_LIMIT}"
+    )
+    # The other session still grows to its share.
+    assert (await completed(other, 'store("d", "y".repeat(350000))')).error_text is None
+    await hog.shutdown()
+    assert provider.held.holders == 1
+
+
 async def test_a_store_write_that_would_pass_the_host_limit_is_discarded(
     provider: LocalSessionProvider,
 ) -> None:

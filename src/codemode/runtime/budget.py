@@ -40,9 +40,16 @@ def default_held_chars(minimum: int) -> int:
 
 
 class HeldCharacters:
-    """A count of the characters held for cells against ``limit`` (``None``: no limit)."""
+    """A count of the characters held for cells against ``limit`` (``None``: no limit).
 
-    __slots__ = ("chars", "limit")
+    Until the sessions together hold half the limit, any of them may take what is left; past
+    that, a session may grow only to an equal share of the limit among the sessions that hold
+    something. One session alone can use all of it, but once others hold characters too it
+    cannot take the rest from them: what it holds stays (stores are committed data), its growth
+    stops at its share.
+    """
+
+    __slots__ = ("chars", "holders", "limit")
 
     def __init__(self, limit: int | None = None) -> None:
         if limit is not None:
@@ -50,16 +57,26 @@ class HeldCharacters:
         self.limit = limit
         #: Characters held now (the sessions add and take back their own).
         self.chars = 0
+        #: Sessions that hold at least one character now.
+        self.holders = 0
 
-    def room(self) -> int:
-        """How many more characters fit (a very large number when there is no limit)."""
-        if self.limit is None:
+    def room(self, own: int = 0) -> int:
+        """How many more characters a session that holds ``own`` may add (a very large number
+        when there is no limit; below zero when it is past its share)."""
+        limit = self.limit
+        if limit is None:
             return 1 << 62
-        return self.limit - self.chars
+        share = limit // (self.holders + (own == 0)) - own
+        return min(limit - self.chars, max(limit // 2 - self.chars, share))
 
-    def refusal(self) -> str:
-        """The end of the text of whatever the limit refused."""
-        return f"the host's limit of {self.limit} characters held for the cells of all its sessions"
+    def refusal(self, own: int = 0, size: int = 0) -> str:
+        """The end of the text of what the limit refused: ``size`` more characters for a session
+        that holds ``own``."""
+        text = f"the host's limit of {self.limit} characters held for the cells of all its sessions"
+        if self.limit is not None and size <= self.limit - self.chars:
+            sessions = self.holders + (own == 0)
+            return f"its session's share ({self.limit // sessions} characters, {sessions} sessions) of {text}"
+        return text
 
 
 class ResidentMemory:

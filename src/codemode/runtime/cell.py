@@ -411,7 +411,7 @@ class Cell:
         size = _item_chars(item)
         session = self._session
         over = session.buffered_output + size > MAX_SESSION_BUFFERED_OUTPUT_CHARS
-        if over or size > session.held.room():
+        if over or size > session.held.room(session.held_chars):
             # The item is not taken (one kept per cell would let 128 cells pass the bound by 16
             # Mi characters each): its cell ends as at its own bound, with what it had buffered;
             # the other cells keep theirs (counted) until observed.
@@ -420,7 +420,8 @@ class Cell:
                 self._end(
                     _session_output_too_large()
                     if over
-                    else f"exec cell output exceeds {session.held.refusal()}"
+                    else "exec cell output exceeds "
+                    + session.held.refusal(session.held_chars, size)
                 )
             return
         self._items.append(item)
@@ -555,8 +556,9 @@ class Cell:
         session = self._session
         if session.pending_input_chars + size > MAX_PENDING_INPUT_CHARS:
             return PENDING_INPUTS_TOO_LARGE
-        if size > session.held.room():
-            return f"tool call refused: its input would pass {session.held.refusal()}"
+        if size > session.held.room(session.held_chars):
+            refusal = session.held.refusal(session.held_chars, size)
+            return f"tool call refused: its input would pass {refusal}"
         return None
 
     def on_notify(self, text: str) -> None:
@@ -651,7 +653,10 @@ class Cell:
         session = self._session
         room = max(
             MIN_ERROR_TEXT_ROOM,
-            min(MAX_SESSION_BUFFERED_OUTPUT_CHARS - session.buffered_output, session.held.room()),
+            min(
+                MAX_SESSION_BUFFERED_OUTPUT_CHARS - session.buffered_output,
+                session.held.room(session.held_chars),
+            ),
         )
         if len(error) > room:
             error = error[:room] + f"\n… (error text cut: {len(error)} characters in all)"

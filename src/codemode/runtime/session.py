@@ -322,8 +322,14 @@ class _Held:
         return value
 
     def __set__(self, session: LocalSession, value: int) -> None:
-        session.held.chars += value - getattr(session, self._slot)
+        change = value - getattr(session, self._slot)
         setattr(session, self._slot, value)
+        held = session.held
+        held.chars += change
+        before = session.held_chars
+        session.held_chars = before + change
+        if (before == 0) != (session.held_chars == 0):
+            held.holders += 1 if before == 0 else -1
 
 
 class LocalSession(CodeModeSession):
@@ -363,6 +369,8 @@ class LocalSession(CodeModeSession):
         # the _Held counts start at zero here, the only assignments that move nothing.
         self.held = HeldCharacters() if held is None else held
         self._pending_input_chars = self._buffered_output = self._store_chars = 0
+        #: The three counts above together: what this session holds of the provider's count.
+        self.held_chars = 0
         self.pending_input_values = 0  # JSON values of their inputs (at most; cell.py bounds it)
         self.pending_input_containers = 0  # their arrays and objects (at most; cell.py bounds it)
         self.delegate = delegate
@@ -604,10 +612,10 @@ class LocalSession(CodeModeSession):
                     "exec cell store writes were discarded: the session store would exceed "
                     f"{MAX_STORE_CHARS} characters"
                 )
-            if size - self.store_chars > self.held.room():
-                return (
-                    f"exec cell store writes were discarded: they would pass {self.held.refusal()}"
-                )
+            growth = size - self.store_chars
+            if growth > self.held.room(self.held_chars):
+                refusal = self.held.refusal(self.held_chars, growth)
+                return f"exec cell store writes were discarded: they would pass {refusal}"
             self._store.update(merged)
             self.store_chars = size
             copy = self._store_copy

@@ -187,8 +187,6 @@ def unknown_invocation(invocation_id: str) -> str:
     return f"unknown code-mode tool invocation {invocation_id}"
 
 
-
-
 def tool_output_not_json(detail: str) -> str:
     """``INVALID_ARGUMENT`` of a ``CompleteToolCall`` whose ``output_json`` is not strict JSON:
     "invalid code-mode tool output JSON: ⟨detail⟩" (upstream's; ⟨detail⟩ is this project's)."""
