@@ -21,7 +21,13 @@ from grpc import aio
 
 from codemode.errors import CodeModeError
 from codemode.grpc_stubs import v1_pb2_grpc
-from codemode.host.grpc import GrpcAddress, GrpcHost, GrpcHostOptions, serve_grpc
+from codemode.host.grpc import (
+    MAX_SUBSCRIPTIONS_PER_SESSION,
+    GrpcAddress,
+    GrpcHost,
+    GrpcHostOptions,
+    serve_grpc,
+)
 from codemode.protocol.grpc import texts
 from codemode.protocol.grpc import v1_pb2 as pb
 from codemode.protocol.grpc.constants import MAX_MESSAGE_BYTES, SERVICE_NAME
@@ -1371,3 +1377,34 @@ async def test_notifications_revoked_before_their_lease_wrote_them_are_never_wri
     finally:
         await channel.close()
         await host.aclose()
+
+
+async def test_a_session_holds_a_bounded_number_of_subscriptions(stub: Stub) -> None:
+    """Finding: a session's tool-call subscriptions were unbounded (5,000 of one session took the
+    host 250 MiB); past the bound one is refused, and a slot frees when one ends."""
+    lease = await _open(stub)
+    request = pb.SubscribeToToolCallsRequest(session_id=lease.session_id)
+    subscriptions = [
+        stub.SubscribeToToolCalls(request) for _ in range(MAX_SUBSCRIPTIONS_PER_SESSION)
+    ]
+    for subscription in subscriptions:
+        await subscription.initial_metadata()
+    refused = stub.SubscribeToToolCalls(request)
+    error = await _status(asyncio.wait_for(refused.read(), 10))
+    assert (error.code(), error.details()) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        texts.SESSION_TOO_MANY_SUBSCRIPTIONS,
+    )
+    subscriptions.pop().cancel()
+    call = _execute(stub, lease, "text(1)")
+    await _started(call)
+    assert _texts(await _outcome(call)) == ["1"]  # the session goes on
+    for _ in range(50):
+        again = stub.SubscribeToToolCalls(request)
+        try:
+            await asyncio.wait_for(again.initial_metadata(), 5)
+            break
+        except aio.AioRpcError:  # the cancelled one may not have been let go yet
+            await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("no slot came free")

@@ -98,6 +98,10 @@ Context = aio.ServicerContext[Any, Any]
 
 #: Ids remembered per session for reuse detection, cancelled waits and early yields (§3, §11).
 REMEMBERED_IDS: Final = 4096
+#: Tool-call subscriptions one session may hold open at once. A client opens one (or one per tool
+#: filter); each costs the host some 25 KiB, and they were unbounded: 5,000 of one session took
+#: 250 MiB.
+MAX_SUBSCRIPTIONS_PER_SESSION: Final = 64
 #: Seconds between the host's HTTP/2 keepalive pings on a connection, and how long a ping's ack
 #: may take before the connection ends (with every session whose lease it carried).
 DEFAULT_KEEPALIVE_TIME: Final = 20.0
@@ -867,6 +871,10 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
     ) -> AsyncIterator[pb.ToolCall]:
         try:
             session = self._session(request.session_id)
+            if len(session.subscriptions) >= MAX_SUBSCRIPTIONS_PER_SESSION:
+                raise _Status(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, texts.SESSION_TOO_MANY_SUBSCRIPTIONS
+                )
         except _Status as status:
             await self._abort(context, status)
         names = frozenset(

@@ -210,6 +210,9 @@ HOST_TOO_MANY_OPEN_SESSIONS: Final = "code-mode host has too many open sessions"
 HOST_TOO_MANY_IN_FLIGHT_REQUESTS: Final = "code-mode host has too many in-flight requests"
 #: §11, §12.1 ``RESOURCE_EXHAUSTED`` "code-mode host has too many active cells".
 HOST_TOO_MANY_ACTIVE_CELLS: Final = "code-mode host has too many active cells"
+#: ``RESOURCE_EXHAUSTED`` of a ``SubscribeToToolCalls`` past ``MAX_SUBSCRIPTIONS_PER_SESSION``
+#: (this project's: §11 sets no bound on a session's subscriptions).
+SESSION_TOO_MANY_SUBSCRIPTIONS: Final = "code-mode session has too many tool subscriptions"
 #: §4.1, §12.1 ``DEADLINE_EXCEEDED`` "timed out shutting down code-mode gRPC session".
 SESSION_SHUTDOWN_TIMED_OUT: Final = "timed out shutting down code-mode gRPC session"
 #: ``UNAVAILABLE`` for new sessions and executions while the host drains (this project's).
