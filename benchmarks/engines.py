@@ -316,7 +316,9 @@ class Cell:
     def on_item(self, item: object) -> None:
         pass
 
-    def on_call(self, call_id: str, tool: int, input_json: str | None) -> None:
+    def on_call(
+        self, call_id: str, tool: int, input_json: str | None, strings: dict[str, str] | None = None
+    ) -> None:
         # Like a delegate: the answer comes from a task of the asyncio loop.
         task = asyncio.ensure_future(self._answer(call_id, input_json))
         self.tasks.add(task)

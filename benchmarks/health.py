@@ -11,11 +11,14 @@ single ``msgspec.json.decode`` of a JSON string as large as the cell's data (the
 do with it once: the ratio says how many such passes the loop makes in one stretch).
 
 Figures are the median of ``ROUNDS`` runs of each cell; nothing is asserted.
+``CODEMODE_HEALTH_ONLY=text|store`` runs only the rows whose name holds ``text`` or ``store`` (and
+the baseline).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -77,6 +80,24 @@ CASES: Final = [
         0,
     ),
     Case("10,000 notifications", 'for (let i = 0; i < 10000; i++) notify("n" + i); text("ok")', 0),
+    # Text that JSON escapes: each character takes two bytes (a backslash) or six (a control
+    # character) in the engine's frame, and a tool input's text is escaped twice.
+    Case(
+        "tool input, 63 M backslashes",
+        'await tools.size("\\\\".repeat(63e6)); text("ok")',
+        63_000_000,
+    ),
+    Case("text item, 42 M control characters", 'text("\\x01".repeat(42e6))', 42_000_000),
+    Case(
+        "notification, 40 M control characters",
+        'notify("\\x01".repeat(40e6)); text("ok")',
+        40_000_000,
+    ),
+    Case(
+        "store, one value of 33 M backslashes",
+        'store("k", "\\\\".repeat(33e6)); text("ok")',
+        33_000_000,
+    ),
 ]
 
 SIZE = ToolDefinition(
@@ -146,7 +167,10 @@ async def run() -> None:
     async with LocalSessionProvider() as provider:
         session = await provider.create_session(_Delegate())
         await _held(session, 'text("warm")')
+        only = os.environ.get("CODEMODE_HEALTH_ONLY", "")  # substrings of the rows to run, "|"
         for case in CASES:
+            if only and case is not CASES[0] and not any(w in case.name for w in only.split("|")):
+                continue
             progress(case.name)
             holds = [await _held(session, case.source) for _ in range(ROUNDS)]
             floor = _decode_floor(case.chars) if case.chars else None

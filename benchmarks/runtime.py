@@ -173,7 +173,9 @@ class Sink:
     def on_item(self, item: ContentItem) -> None:
         """Ignored."""
 
-    def on_call(self, call_id: str, tool: int, input_json: str | None) -> None:
+    def on_call(
+        self, call_id: str, tool: int, input_json: str | None, strings: dict[str, str] | None = None
+    ) -> None:
         """Not expected: baseline cells call no tools."""
         raise AssertionError("unexpected nested call")
 

@@ -40,8 +40,11 @@ class Events:
     def on_item(self, item: ContentItem) -> None:
         self.seen.append(("item", item))
 
-    def on_call(self, call_id: str, tool: int, input_json: str | None) -> None:
-        self.seen.append(("call", (call_id, tool, input_json)))
+    def on_call(self, call_id: str, tool: int, input_json: str | None, strings: Any = None) -> None:
+        if strings is None:
+            self.seen.append(("call", (call_id, tool, input_json)))
+        else:  # a long input's strings came decoded
+            self.seen.append(("call", (call_id, tool, input_json, strings)))
 
     def on_notify(self, text: str) -> None:
         self.seen.append(("notify", text))

@@ -44,6 +44,7 @@ from codemode.protocol.v1 import codec
 from codemode.runtime import LocalSession, LocalSessionProvider
 from codemode.runtime import cell as cell_module
 from codemode.runtime import engine as engine_module
+from codemode.runtime import pieces as pieces_module
 from codemode.runtime.cell import MAX_BUFFERED_OUTPUT_CHARS
 from codemode.runtime.engine import _HostProtocol
 from tests.contract.delegate import RecordingDelegate
@@ -421,7 +422,9 @@ async def test_a_frame_of_more_messages_than_host_js_sends_is_a_breach(messages:
     _, protocol, events, transport = wired()
     body = "[" + ",".join(['{"t":"started","cell":9}'] * messages) + "]"
     protocol.data_received(frame(body.encode()))
-    assert transport.killed
+    async with asyncio.timeout(10):  # a frame of 1 MiB or more is decoded on a worker thread
+        while not transport.killed:
+            await asyncio.sleep(0.01)
     assert events.seen[-1] == ("exited", "crashed")
 
 
@@ -738,3 +741,51 @@ async def test_a_large_store_is_copied_to_a_fresh_engine_off_the_event_loop(
         on_the_loop.clear()
         assert texts(await run(session, f"text(String(load('k') === {value}))")) == ["true"]
     assert on_the_loop and max(on_the_loop) < 1024 * 1024, on_the_loop
+
+
+# -- the host's health: escape-heavy strings reach Python in pieces -----------------------------
+
+
+@pytest.mark.parametrize(
+    ("source", "check"),
+    [
+        ("await tools.echo({s: '\\\\'.repeat(3e6)}); text('ok')", "ok"),
+        ("text('\\x01'.repeat(3e6))", "\x01" * 3_000_000),
+        ("notify('\\x01'.repeat(3e6)); text('ok')", "ok"),
+        ("store('k', '\\\\'.repeat(3e6)); text('ok')", "ok"),
+    ],
+    ids=["tool-input", "text", "notify", "store"],
+)
+async def test_no_decode_of_a_long_escaped_string_is_one_call(
+    monkeypatch: pytest.MonkeyPatch, source: str, check: str
+) -> None:
+    # Guards: the engine's long strings are decoded a piece at a time (engine.py
+    # _decoded_large, runtime/pieces.py), and a long tool input or long store writes travel as
+    # JSON values, escaped once (host.js Spliced). msgspec holds the GIL through one call and
+    # decodes escaped text at 250-500 MB/s: one frame of 63 M backslashes held the event loop
+    # every session shares for 1.2 s, on a worker thread as much as on the loop.
+    sizes: list[int] = []  # the input of every decode, on any thread
+
+    class Watched:
+        def __init__(self, decoder: Any) -> None:
+            self._decoder = decoder
+
+        def decode(self, data: Any) -> Any:
+            sizes.append(len(data))
+            return self._decoder.decode(data)
+
+    monkeypatch.setattr(engine_module, "_BATCH", Watched(engine_module._BATCH))
+    monkeypatch.setattr(engine_module, "_WRITES", Watched(engine_module._WRITES))
+    monkeypatch.setattr(cell_module, "_DECODER", Watched(cell_module._DECODER))
+    monkeypatch.setattr(pieces_module, "_STRING", Watched(pieces_module._STRING))
+    async with LocalSessionProvider() as fresh:
+        delegate = RecordingDelegate()
+        session = await fresh.create_session(delegate)
+        result = await run(session, source)
+        assert texts(result) == [check], result.error_text
+        if "echo" in source:
+            assert delegate.calls[-1].input == {"s": "\\" * 3_000_000}
+        if "store" in source:
+            loaded = await run(session, "text(String(load('k') === '\\\\'.repeat(3e6)))")
+            assert texts(loaded) == ["true"]
+    assert max(sizes) <= pieces_module.PIECE + 2, sorted(sizes)[-3:]

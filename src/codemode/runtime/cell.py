@@ -43,6 +43,7 @@ from codemode.protocol.types import (
     Yielded,
 )
 from codemode.runtime.engine import THREAD_CHARS, NodeEngine, outside_strings
+from codemode.runtime.pieces import put_back, split
 from codemode.session import CancellationToken, cell_context, run_in, serve_callback
 
 if TYPE_CHECKING:
@@ -156,6 +157,39 @@ def _decoded_input(text: str) -> Any:
     walk them again and again: most of the decode's time)."""
     with collector_paused():
         return _DECODER.decode(text)
+
+
+#: What :func:`_counted_input` gives for an input that is not JSON.
+_NOT_JSON: Final = object()
+
+
+def _counted_input(
+    text: str, value_room: int, container_room: int, strings: dict[str, str] | None = None
+) -> tuple[tuple[int, int], Any]:
+    """A large tool input's counts (:func:`_json_counts`) and, when they are within the rooms,
+    its value (:data:`_NOT_JSON`: malformed), on a worker thread: its long strings are decoded a
+    piece at a time (:mod:`codemode.runtime.pieces`; ``strings``: they were, and ``text`` holds
+    their placeholders), each a C call of its own, and counted as one value each. Decoded whole,
+    one of 63 M backslashes (126 M characters of JSON) held the event loop every session shares
+    for 0.5 s."""
+    skeleton = text
+    pieces = None
+    if strings is None:
+        try:
+            pieces = split(text)
+        except msgspec.DecodeError:
+            return (0, 0), _NOT_JSON
+        skeleton = pieces.skeleton
+    counts = _json_counts(skeleton, value_room, container_room)
+    if counts[0] > value_room or counts[1] > container_room:
+        return counts, None
+    try:
+        if pieces is not None:
+            strings = pieces.strings()
+        with collector_paused():
+            return counts, put_back(_DECODER.decode(skeleton), strings or {})
+    except (msgspec.DecodeError, RecursionError):
+        return counts, _NOT_JSON
 
 
 def _log_undelivered(result: CallbackResult) -> None:
@@ -445,7 +479,7 @@ class Cell:
         # the same uninterrupted run of the cell came after it, in the cell's timeline: a no-op.
 
     def on_call(
-        self, call_id: str, tool: int, input_json: str | None
+        self, call_id: str, tool: int, input_json: str | None, strings: dict[str, str] | None = None
     ) -> asyncio.Future[None] | None:
         if self._state is not _State.RUNNING:
             return None
@@ -463,6 +497,8 @@ class Cell:
         # Each unsettled input stays in this process (its text and its decoded value) until its
         # tool answers: with a slow tool, 1,024 large inputs would exhaust the host's memory.
         size = 0 if input_json is None else len(input_json)
+        if strings:  # its long strings came decoded: what is held is their characters
+            size += sum(map(len, strings.values()))
         if (refusal := self._input_refusal(size)) is not None:
             self._engine.send_result(self.key, call_id, False, refusal)
             return None
@@ -473,22 +509,40 @@ class Cell:
             MAX_PENDING_INPUT_VALUES - self._session.pending_input_values,
             MAX_PENDING_INPUT_CONTAINERS - self._session.pending_input_containers,
         )
-        if size >= THREAD_CHARS and self._engine.deferrable:
-            # Counted on a worker thread (the engine's later messages wait): each count is a pass
-            # of its own over the text, 15-30 ms for 50 M characters, and the event loop every
-            # session shares runs between them.
-            return asyncio.ensure_future(self._admit_off_loop(call_id, tool, input_json, rooms))
+        if (size >= THREAD_CHARS or strings) and self._engine.deferrable:
+            # Counted and decoded on a worker thread (the engine's later messages wait): each
+            # count is a pass of its own over the text, 15-30 ms for 50 M characters, a long
+            # string is decoded a piece at a time, and the event loop every session shares runs
+            # between them.
+            return asyncio.ensure_future(
+                self._admit_off_loop(call_id, tool, input_json, rooms, strings=strings, size=size)
+            )
+        if strings:
+            counts, value = _counted_input(input_json, *rooms, strings)
+            self._admit(
+                call_id, tool, input_json, counts=counts, rooms=rooms, decoded=(value,), size=size
+            )
+            return None
         self._admit(call_id, tool, input_json, counts=_json_counts(input_json, *rooms), rooms=rooms)
         return None
 
     async def _admit_off_loop(
-        self, call_id: str, tool: int, input_json: str, rooms: tuple[int, int]
+        self,
+        call_id: str,
+        tool: int,
+        input_json: str,
+        rooms: tuple[int, int],
+        *,
+        strings: dict[str, str] | None,
+        size: int,
     ) -> None:
-        counts = await asyncio.to_thread(_json_counts, input_json, *rooms)
+        counts, value = await asyncio.to_thread(_counted_input, input_json, *rooms, strings)
         if self._state is not _State.RUNNING:
             return  # it ended meanwhile: nobody wants the call
         try:
-            self._admit(call_id, tool, input_json, counts=counts, rooms=rooms)
+            self._admit(
+                call_id, tool, input_json, counts=counts, rooms=rooms, decoded=(value,), size=size
+            )
         except Exception:  # as the engine logs what a handler raises
             logger.exception("codemode engine: failed to handle _Call")
 
@@ -500,9 +554,15 @@ class Cell:
         *,
         counts: tuple[int, int],
         rooms: tuple[int, int],
+        decoded: tuple[Any] | None = None,
+        size: int | None = None,
     ) -> None:
         """Serve a call whose input has ``counts`` values and containers (at most), within the
-        ``rooms`` the session had for them when they were counted."""
+        ``rooms`` the session had for them when they were counted (``decoded``: its value, made
+        with the counts, :func:`_counted_input`; ``size``: the characters it holds, when not its
+        text's)."""
+        if size is None:
+            size = 0 if input_json is None else len(input_json)
         values, containers = counts
         if values > rooms[0]:
             self._engine.send_result(self.key, call_id, False, PENDING_VALUES_TOO_MANY)
@@ -511,7 +571,12 @@ class Cell:
             self._engine.send_result(self.key, call_id, False, PENDING_CONTAINERS_TOO_MANY)
             return
         try:
-            arguments = None if input_json is None else _decoded_input(input_json)
+            if decoded is not None:
+                arguments = decoded[0]
+                if arguments is _NOT_JSON:
+                    raise msgspec.DecodeError
+            else:
+                arguments = None if input_json is None else _decoded_input(input_json)
         except (msgspec.DecodeError, RecursionError):  # the prelude bounds depth; the engine
             # is untrusted all the same
             self._engine.send_result(self.key, call_id, False, "tool input is not JSON")
@@ -529,7 +594,6 @@ class Cell:
         if task is not None:  # an eagerly started tool may already have answered
             self._calls[call_id] = (task, token)
             self._issue(token)
-            size = 0 if input_json is None else len(input_json)
             self._session.hold_callback(task, size, values, containers)
 
     def _settle_call(self, call_id: str, token: CancellationToken, result: CallbackResult) -> None:

@@ -29,6 +29,7 @@ from codemode.protocol.types import ContentItem, ImageDetail, InputAudio, InputI
 from codemode.protocol.v1.codec import NEED_DATA, FrameDecoder, encode_frame
 from codemode.runtime.budget import ResidentMemory
 from codemode.runtime.confinement import ConfinementReport
+from codemode.runtime.pieces import LONG, split
 from codemode.spawning import child_preexec
 
 __all__ = ["DEFAULT_MEMORY_CAP_BYTES", "CellEvents", "EngineBreach", "NodeEngine", "find_node"]
@@ -102,8 +103,11 @@ class CellEvents(Protocol):
     def on_started(self) -> None: ...
     def on_item(self, item: ContentItem) -> None: ...
     def on_call(
-        self, call_id: str, tool: int, input_json: str | None
-    ) -> asyncio.Future[None] | None: ...
+        self, call_id: str, tool: int, input_json: str | None, strings: dict[str, str] | None = None
+    ) -> asyncio.Future[None] | None:
+        """``strings``: the long strings of an input that came in pieces, whose ``input_json``
+        holds a placeholder for each (:mod:`codemode.runtime.pieces`)."""
+
     def on_notify(self, text: str) -> None: ...
     def on_yield(self, turn: int) -> None: ...
     def on_done(
@@ -154,7 +158,8 @@ class _Call(_Message, tag="call"):
     cell: int
     id: _CallId
     tool: int
-    input: str | None
+    input: str | None = None
+    json: msgspec.Raw = msgspec.Raw()  # a long input, as its JSON value (host.js `Spliced`)
 
 
 class _Notify(_Message, tag="notify"):
@@ -173,8 +178,22 @@ _Position = Annotated[int, msgspec.Meta(ge=1)]
 class _Done(_Message, tag="done"):
     cell: int
     error: str | None
-    writes: str
+    writes: str = "[]"
     call: tuple[int, _Position, _Position] | None = None  # tool index, line, column
+    entries: msgspec.Raw = msgspec.Raw()  # long writes, as their JSON value (host.js `Spliced`)
+
+
+# What a large frame's `call` and `done` become when their JSON value came spliced
+# (:func:`_decoded_large`): its text with a placeholder for each long string, and those strings.
+# Never decoded from a frame (not in the union below).
+
+
+class _CallParts(_Call, tag="call-parts"):
+    strings: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class _DoneParts(_Done, tag="done-parts"):
+    strings: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class _Exited(_Message, tag="exited"):
@@ -243,15 +262,40 @@ def _item(message: _Item) -> ContentItem:
 MAX_FRAME_MESSAGES: Final = 1024
 
 
+class _Large:
+    """A frame of :data:`LARGE_FRAME_BYTES` or more, not decoded yet (:func:`_decoded_large`).
+
+    ``data`` is no longer written by the frame reader: it let go of it, or it only appends to it
+    while the engine's pipe is read, which waits for this frame (and the drain of an exited
+    engine's output decodes this frame first)."""
+
+    __slots__ = ("data", "end", "start")
+
+    def __init__(self, data: bytes | bytearray, start: int, end: int) -> None:
+        self.data = data
+        self.start = start
+        self.end = end
+
+
+#: From this many bytes on, a frame is decoded on a worker thread, its long strings a piece at a
+#: time (:mod:`codemode.runtime.pieces`): msgspec decodes text that JSON escapes at 250-500 MB/s,
+#: and one string of 63 M backslashes (252 MB in a frame) held the event loop every session
+#: shares for a second. host.js sends every message of a long string in a frame of its own.
+LARGE_FRAME_BYTES: Final = LONG
+
+
 class _Batches:
-    """Decodes one engine frame's payload into its messages (malformed is a breach)."""
+    """Decodes one engine frame's payload into its messages (malformed is a breach); a large
+    frame is left for :func:`_decoded_large`."""
 
     __slots__ = ()
 
     def decode(
         self, data: bytes | bytearray, start: int = 0, end: int | None = None
-    ) -> list[_EngineMessage]:
+    ) -> list[_EngineMessage] | _Large:
         end = len(data) if end is None else end
+        if end - start >= LARGE_FRAME_BYTES:
+            return _Large(data, start, end)
         try:
             batch = _BATCH.decode(memoryview(data)[start:end])
         except (msgspec.DecodeError, RecursionError) as error:  # deep nesting: RecursionError
@@ -259,6 +303,68 @@ class _Batches:
         if len(batch) > MAX_FRAME_MESSAGES:
             raise EngineBreach(f"engine frame of more than {MAX_FRAME_MESSAGES} messages")
         return batch
+
+
+#: The fields a long string may take in an engine message (any other is a breach: their own
+#: bounds, a call id's or an exit detail's, were checked on a placeholder).
+_LONG_FIELDS: Final = frozenset({"value", "input", "text", "error", "writes"})
+
+
+def _decoded_large(large: _Large) -> list[_EngineMessage]:
+    """A large frame's messages: its skeleton decoded in one call, its long strings a piece at a
+    time (each a C call of its own), then put in their fields. On a worker thread the event loop
+    runs between the pieces."""
+    try:
+        pieces = split(large.data, large.start, large.end)
+        batch = _BATCH.decode(pieces.skeleton)
+    except (msgspec.DecodeError, RecursionError) as error:
+        raise EngineBreach(f"malformed engine frame: {error}") from None
+    if len(batch) > MAX_FRAME_MESSAGES:
+        raise EngineBreach(f"engine frame of more than {MAX_FRAME_MESSAGES} messages")
+    try:
+        strings = pieces.strings()
+    except msgspec.DecodeError as error:
+        raise EngineBreach(f"malformed engine frame: {error}") from None
+    for index, message in enumerate(batch):
+        if strings:
+            for field in message.__struct_fields__:
+                value = getattr(message, field)
+                if isinstance(value, str) and value in strings:
+                    if field not in _LONG_FIELDS:
+                        raise EngineBreach(f"engine message whose {field} is too long")
+                    setattr(message, field, strings.pop(value))
+        # A spliced value's text is made here too, off the loop (a long input of short strings).
+        if isinstance(message, _Call) and len(message.json):
+            text = _raw_text(message.json)
+            batch[index] = _CallParts(
+                message.cell, message.id, message.tool, text, strings=_own(text, strings)
+            )
+        elif isinstance(message, _Done) and len(message.entries):
+            text = _raw_text(message.entries)
+            batch[index] = _DoneParts(
+                message.cell, message.error, text, message.call, strings=_own(text, strings)
+            )
+    if strings:
+        raise EngineBreach("malformed engine frame: a long string outside a message's text")
+    return batch
+
+
+def _own(text: str, strings: dict[str, str]) -> dict[str, str]:
+    """The long strings whose placeholders (each a whole string literal) ``text`` holds, taken
+    out of ``strings``."""
+    return {
+        placeholder: strings.pop(placeholder)
+        for placeholder in list(strings)
+        if f'"{placeholder}"' in text
+    }
+
+
+def _raw_text(raw: msgspec.Raw) -> str:
+    """A spliced JSON value's text (checked when it is decoded)."""
+    try:
+        return bytes(raw).decode()
+    except UnicodeDecodeError:
+        raise EngineBreach("malformed engine frame: invalid UTF-8") from None
 
 
 #: The longest stretch (seconds) the messages of one engine may hold the event loop, which every
@@ -301,6 +407,7 @@ class _EngineOutput(asyncio.Protocol):
         self._batch: list[_EngineMessage] = []  # the frame being dispatched
         self._next = 0  # its first message not dispatched yet
         self._later: asyncio.Handle | None = None  # the next slice, while one is due
+        self._large: _Large | None = None  # a large frame being decoded on a worker thread
         self._transport: asyncio.ReadTransport | None = None
         self._discarded = False
 
@@ -329,6 +436,9 @@ class _EngineOutput(asyncio.Protocol):
         more = False  # out of time with messages left (perhaps only frames not decoded yet)
         engine._dispatching = True
         try:
+            if self._large is not None:  # whole: what comes after it waits for it no longer
+                self._batch, self._next = _decoded_large(self._large), 0
+                self._large = None
             while True:
                 if self._next >= len(self._batch):
                     self._batch, self._next = [], 0
@@ -338,6 +448,13 @@ class _EngineOutput(asyncio.Protocol):
                     batch = self._frames.next_message()
                     if batch is NEED_DATA:
                         break
+                    if isinstance(batch, _Large):
+                        if whole:
+                            batch = _decoded_large(batch)
+                        else:  # decoded off the loop: the engine's later frames wait for it
+                            self._large = batch
+                            engine._waiting = asyncio.ensure_future(self._decode_large(batch))
+                            break
                     self._batch = batch  # type: ignore[assignment]
                     if deadline is not None and time.perf_counter() > deadline:
                         # Its decoding used the slice up (a large frame: ≈0.1 s for 60 M
@@ -380,6 +497,19 @@ class _EngineOutput(asyncio.Protocol):
         if engine._flush_scheduled:
             engine._flush()
 
+    async def _decode_large(self, large: _Large) -> None:
+        try:
+            batch = await asyncio.to_thread(_decoded_large, large)
+        except Exception as error:  # EngineBreach; anything else is a bug, and as fatal
+            if self._large is large and not self._discarded:
+                if not isinstance(error, EngineBreach):
+                    logger.exception("codemode engine: failed to decode a large frame")
+                self._engine._breach(str(error))
+            return
+        if self._large is large and not self._discarded:  # else decoded already, or gone
+            self._large = None
+            self._batch, self._next = batch, 0
+
     def _resume(self, waited: asyncio.Future[None]) -> None:
         if self._engine._waiting is waited:
             self._engine._waiting = None
@@ -388,6 +518,7 @@ class _EngineOutput(asyncio.Protocol):
     def discard(self) -> None:
         """Drop what was not dispatched (the engine is gone)."""
         self._discarded = True
+        self._large = None
         if self._later is not None:
             self._later.cancel()
             self._later = None
@@ -965,7 +1096,10 @@ class NodeEngine:
         if isinstance(message, _Item):
             events.on_item(_item(message))
         elif isinstance(message, _Call):
-            return events.on_call(message.id, message.tool, message.input)
+            text = _raw_text(message.json) if len(message.json) else message.input
+            if isinstance(message, _CallParts) and message.strings:
+                return events.on_call(message.id, message.tool, text, message.strings)
+            return events.on_call(message.id, message.tool, text)
         elif isinstance(message, _Notify):
             events.on_notify(message.text)
         elif isinstance(message, _Started):
@@ -973,20 +1107,25 @@ class NodeEngine:
         elif isinstance(message, _Yield):
             events.on_yield(message.turn)
         elif isinstance(message, _Done):
-            if message.writes != "[]":
+            text = _raw_text(message.entries) if len(message.entries) else message.writes
+            strings = message.strings if isinstance(message, _DoneParts) else None
+            if text != "[]":
                 self._held_writes.add(message.cell)  # host.js keeps them (commit_writes)
-            if self._deferrable and len(message.writes) >= THREAD_CHARS:
-                return asyncio.ensure_future(self._done_off_loop(message, events))
-            writes = _decoded_writes(message.writes)
+            size = len(text) + (0 if strings is None else sum(map(len, strings.values())))
+            if self._deferrable and size >= THREAD_CHARS:
+                return asyncio.ensure_future(self._done_off_loop(message, events, text, strings))
+            writes = _decoded_writes(text, strings)
             self._done(message, events, writes)
         elif isinstance(message, _Exited):
             del self._cells[message.cell]
             events.on_exited(message.reason, message.detail)
         return None
 
-    async def _done_off_loop(self, message: _Done, events: CellEvents) -> None:
+    async def _done_off_loop(
+        self, message: _Done, events: CellEvents, text: str, strings: dict[str, str] | None
+    ) -> None:
         try:
-            writes = await asyncio.to_thread(_decoded_writes, message.writes)
+            writes = await asyncio.to_thread(_decoded_writes, text, strings)
         except EngineBreach as breach:
             self._breach(str(breach))
             return
@@ -1004,15 +1143,28 @@ class NodeEngine:
             events.on_done(message.error, writes, message.call)
 
 
-def _decoded_writes(text: str) -> list[tuple[str, str]] | None:
+def _decoded_writes(
+    text: str, strings: dict[str, str] | None = None
+) -> list[tuple[str, str]] | None:
     """A ``done``'s store writes, decoded (malformed: a breach), or ``None`` when they hold more
-    entries than host.js lets out (counted before anything is decoded)."""
-    if not _write_entries_within(text, MAX_WRITE_ENTRIES):
-        return None
+    entries than host.js lets out (counted before anything is decoded). Long keys and values are
+    decoded a piece at a time (:mod:`codemode.runtime.pieces`; ``strings``: they were, and
+    ``text`` holds their placeholders): a value's JSON text travels escaped, and 33 M
+    backslashes took one call of 0.5 s."""
     try:
-        return _WRITES.decode(text)
+        pieces = split(text) if strings is None and len(text) >= LONG else None
+        skeleton = text if pieces is None else pieces.skeleton
+        if not _write_entries_within(skeleton, MAX_WRITE_ENTRIES):
+            return None
+        writes = _WRITES.decode(skeleton)
+        if pieces is not None and pieces.spans:
+            strings = pieces.strings()
+        if not strings:
+            return writes
     except (msgspec.DecodeError, UnicodeError, RecursionError) as error:
         raise EngineBreach(f"malformed store writes: {error}") from None
+    # A loop of Python: on a worker thread the event loop runs in between.
+    return [(strings.get(key, key), strings.get(value, value)) for key, value in writes]
 
 
 def _json_string(text: str, out: bytearray) -> None:

@@ -32,13 +32,16 @@
 //   {t:'item', cell, type, value, detail}         a content item (text or URL, image detail)
 //   {t:'call', cell, id, tool:int, input:str|null}
 //                                                 nested tool call; input is JSON text or null
+//   {t:'call', cell, id, tool:int, json:<value>}  ... a long input (LARGE_CHARS), checked here
+//                                                 to parse, as the JSON value itself (spliced)
 //   {t:'notify', cell, text}                      notify(text)
 //   {t:'yield', cell, turn:int}                   yield_control() in the cell's turn `turn`
 //   {t:'done', cell, error:str|null, writes:str, call?:[tool:int, line, column]}
 //                                                 completed; writes = JSON [[key, json text]]
 //                                                 (each value a string holding its JSON text);
 //                                                 `call`: where the failed tool call whose text
-//                                                 the error is was made
+//                                                 the error is was made; long writes travel as
+//                                                 `entries:[[key, json text]]` instead (spliced)
 //   {t:'exited', cell, reason:'stopped'|'oom'|'crashed', detail?}
 //                                                 the cell's isolate is gone (always sent, last)
 
@@ -86,13 +89,33 @@ function loadIsolatedVm(dir) {
 let outbox = [];
 let outboxBytes = 0;
 let flushQueued = false;
+let outboxSpliced = false; // the outbox holds a Spliced message
+
+// A message with one field whose value is JSON text, written into the frame as it is: a long
+// tool input or long store writes, which JSON.stringify would escape once more (a backslash
+// twice over), and Python would then decode twice. The text must have been checked to parse as
+// JSON (one value, nothing around it), so that it stays within its field.
+class Spliced {
+  constructor(message, field, json) {
+    this.message = message;
+    this.field = field;
+    this.json = json;
+  }
+
+  toFrameText() {
+    return `${JSON.stringify(this.message).slice(0, -1)},"${this.field}":${this.json}}`;
+  }
+}
 
 function flush() {
   flushQueued = false;
   if (outbox.length === 0) return;
-  const json = JSON.stringify(outbox);
+  const json = outboxSpliced
+    ? `[${outbox.map((m) => (m instanceof Spliced ? m.toFrameText() : JSON.stringify(m))).join(',')}]`
+    : JSON.stringify(outbox);
   outbox = [];
   outboxBytes = 0;
+  outboxSpliced = false;
   // One write per frame: the reader wakes once, not once for the header and once for the body.
   const size = Buffer.byteLength(json, 'utf8');
   const frame = Buffer.allocUnsafe(4 + size);
@@ -114,6 +137,7 @@ function flush() {
 }
 
 function send(message, bytes) {
+  if (message instanceof Spliced) outboxSpliced = true;
   outbox.push(message);
   outboxBytes += bytes || 64;
   if (outboxBytes >= FLUSH_BYTES || outbox.length >= FLUSH_MESSAGES) flush();
@@ -136,6 +160,17 @@ const DATA_URL = /^data:/i;
 // message travels alone in its frame (sendLarge).
 const MAX_MESSAGE_BYTES = 255 * 1024 * 1024;
 const LARGE_CHARS = 1024 * 1024;
+// Does `text` (JSON text from the prelude, long) parse, with no escape of a surrogate (JSON.parse
+// takes a lone one, Python does not: such an input travels as a string, as short ones do)?
+function splicable(text) {
+  if (/\\u[dD][89a-fA-F]/.test(text)) return false;
+  try {
+    JSON.parse(text);
+    return true;
+  } catch (error) {
+    return false;
+  }
+}
 function sendLarge(message, chars) {
   if (chars < LARGE_CHARS) {
     send(message, chars * 2);
@@ -373,8 +408,13 @@ class Cell {
         cell.enter('deliver', JSON.stringify([[id, false, refusal]]));
         return;
       }
-      sendLarge({ t: 'call', cell: cell.id, id: wellFormed(id), tool, input: text },
-        text === null ? 32 : text.length);
+      const message = { t: 'call', cell: cell.id, id: wellFormed(id), tool };
+      if (text !== null && text.length >= LARGE_CHARS && splicable(text)) {
+        sendLarge(new Spliced(message, 'json', text), text.length);
+        return;
+      }
+      message.input = text;
+      sendLarge(message, text === null ? 32 : text.length);
     };
     const notify = (text) => {
       if (!live() || typeof text !== 'string') return;
@@ -434,7 +474,14 @@ class Cell {
         // back (a 60 M-character value cost its event loop, which every session shares, 0.1 s
         // to encode again).
         if (done.writes !== '[]') pendingWrites.set(cell.id, done.writes);
-        sendLarge(done, done.writes.length + (done.error === null ? 0 : done.error.length));
+        const chars = done.writes.length + (done.error === null ? 0 : done.error.length);
+        if (done.writes.length >= LARGE_CHARS) { // parsed and checked by writesRefusal
+          const writes = done.writes;
+          delete done.writes;
+          sendLarge(new Spliced(done, 'entries', writes), chars);
+        } else {
+          sendLarge(done, chars);
+        }
         cell.exit('stopped');
       };
       cell.afterTurn(cell.sendDone);
