@@ -11,10 +11,11 @@ placeholders (:func:`put_back`, or by the caller for typed messages). Run on a w
 loop gets the GIL between the pieces (the switch interval, 5 ms).
 
 Works on UTF-8 bytes (an engine frame) and on ``str`` (a text carried inside one: a tool input,
-a cell's store writes). Nothing is trusted: a text that is not JSON fails to decode
-(:class:`msgspec.DecodeError`), as a whole decode would; one that is JSON, however it escapes, gives
-the value a whole decode gives (a piece is cut only where its decode proves the cut clean: never
-inside an escape, a UTF-8 sequence or a surrogate pair).
+a cell's store writes). A text that is JSON, however it escapes, gives the value a whole decode
+gives (a piece is cut only where its decode proves the cut clean: never inside an escape, a UTF-8
+sequence or a surrogate pair). Nothing is trusted: a text that is not JSON fails to decode
+(:class:`msgspec.DecodeError`), or, should a backslash outside its strings mislead the scan, gives
+some value no larger than the text (what the engine sends is its own to spoil).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ __all__ = ["LONG", "PIECE", "Split", "put_back", "split"]
 
 #: The units (characters, or bytes of UTF-8) of a text one C call handles here.
 PIECE: Final = 256 * 1024
-#: A string literal this long or longer is decoded in pieces (more than one piece: a shorter one
-#: lies within two neighbouring stretches of the scan, which only looks at their ends).
+#: A string literal this long or longer is decoded in pieces. Longer than a stretch of the scan,
+#: it opens at a stretch's last quote and closes at a later one's first: the scan looks at no
+#: other quote one by one.
 LONG: Final = 4 * PIECE
 _STRING: Final = msgspec.json.Decoder(str)
 #: How far back from a stretch's end a cut is looked for: an escape is at most 6 units, a
