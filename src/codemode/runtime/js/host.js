@@ -161,9 +161,13 @@ const DATA_URL = /^data:/i;
 const MAX_MESSAGE_BYTES = 255 * 1024 * 1024;
 const LARGE_CHARS = 1024 * 1024;
 // Does `text` (JSON text from the prelude, long) parse, with no escape of a surrogate (JSON.parse
-// takes a lone one, Python does not: such an input travels as a string, as short ones do)?
+// takes a lone one, Python does not: such an input travels as a string, as short ones do)? Only
+// a text of few values is parsed (an object each, in this process's heap, beside the cells'
+// isolates): it is long strings that are worth splicing, and any other text travels as before.
+const SPLICE_MAX_VALUES = 65536;
 function splicable(text) {
   if (/\\u[dD][89a-fA-F]/.test(text)) return false;
+  if (text.split(',', SPLICE_MAX_VALUES + 1).length > SPLICE_MAX_VALUES) return false;
   try {
     JSON.parse(text);
     return true;
