@@ -449,6 +449,10 @@ UPSTREAM_SKIPS["test_r80_unawaited_call_is_cancelled[upstream-grpc]"] = (
     "racy on upstream's gRPC host (0.171.0): a tool call the cell does not await before it "
     "completes is issued and cancelled in about one run in three, otherwise never issued"
 )
+UPSTREAM_SKIPS["test_s22_second_yield_without_observer_is_a_noop[upstream-grpc]"] = (
+    "racy on upstream's gRPC host too (0.171.0): it passed alone in eight runs and failed once "
+    "in a whole suite under load, as over V1 (above)"
+)
 UPSTREAM_SKIPS["test_s09_second_terminate_while_cleaning_up[upstream-grpc]"] = (
     "timing-dependent on upstream's gRPC host (0.171.0): its Terminate answers at once, not "
     "after the notification's cancellation, so the second Terminate finds no cell terminating"
