@@ -60,15 +60,22 @@ async def _connect(host: GrpcHost) -> tuple[aio.Channel, Stub]:
     return channel, v1_pb2_grpc.CodeModeHostStub(channel)
 
 
-@pytest.fixture
-async def stub(provider: LocalSessionProvider) -> AsyncIterator[Stub]:
-    host = GrpcHost(provider, "grpc://127.0.0.1:0")
+@contextlib.asynccontextmanager
+async def _served(host: GrpcHost) -> AsyncIterator[Stub]:
+    """A stub on a channel to ``host``, started here; both closed at the end."""
     channel, stub = await _connect(host)
     try:
         yield stub
     finally:
         await channel.close()
         await host.aclose()
+
+
+@pytest.fixture
+async def stub(provider: LocalSessionProvider) -> AsyncIterator[Stub]:
+    host = GrpcHost(provider, "grpc://127.0.0.1:0")
+    async with _served(host) as stub:
+        yield stub
 
 
 class Lease:
@@ -719,8 +726,7 @@ class _TerminatingProvider(CodeModeSessionProvider):
 
 async def test_runtime_preconditions_pass_through_verbatim() -> None:
     host = GrpcHost(_TerminatingProvider())
-    channel, stub = await _connect(host)
-    try:
+    async with _served(host) as stub:
         lease = await _open(stub)
         error = await _status(
             stub.Terminate(pb.TerminateRequest(session_id=lease.session_id, cell_id="3"))
@@ -730,9 +736,6 @@ async def test_runtime_preconditions_pass_through_verbatim() -> None:
         error = await _status(stub.Wait(_wait(lease, "3")))
         assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert error.details() == "exec cell 3 already has an active observer"
-    finally:
-        await channel.close()
-        await host.aclose()
 
 
 class _NoEarlyYield(CodeModeSession):
@@ -761,8 +764,7 @@ class _NoEarlyYieldProvider(CodeModeSessionProvider):
 
 async def test_yield_observation_where_the_session_cannot_yield_early_is_unimplemented() -> None:
     host = GrpcHost(_NoEarlyYieldProvider())
-    channel, stub = await _connect(host)
-    try:
+    async with _served(host) as stub:
         lease = await _open(stub)
         execution_id = str(uuid.uuid4())
         call = _execute(stub, lease, "unused", execution_id=execution_id)
@@ -775,9 +777,6 @@ async def test_yield_observation_where_the_session_cannot_yield_early_is_unimple
         assert error.code() == grpc.StatusCode.UNIMPLEMENTED
         assert error.details() == EARLY_YIELD_UNSUPPORTED
         call.cancel()
-    finally:
-        await channel.close()
-        await host.aclose()
 
 
 # -- the session's end --------------------------------------------------------------------------------
@@ -881,25 +880,20 @@ class _NoLimits(CodeModeSessionProvider):
 
 async def test_unenforceable_heap_limit_fails_the_opening(provider: LocalSessionProvider) -> None:
     host = GrpcHost(_NoLimits(provider))
-    channel, stub = await _connect(host)
-    try:
+    async with _served(host) as stub:
         request = pb.OpenSessionRequest(
             cell_execution_limits=pb.SessionCellExecutionLimits(max_heap_size_bytes=16 << 20)
         )
         error = await _status(stub.OpenSession(request).read())
         assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert error.details() == texts.HOST_CANNOT_ENFORCE_HEAP_LIMITS
-    finally:
-        await channel.close()
-        await host.aclose()
 
 
 async def test_active_cell_slot_is_released_after_cell_closed(
     provider: LocalSessionProvider,
 ) -> None:
     host = GrpcHost(provider, options=GrpcHostOptions(max_active_cells=1))
-    channel, stub = await _connect(host)
-    try:
+    async with _served(host) as stub:
         lease = await _open(stub)
         first = _execute(stub, lease, "await new Promise(() => {})", yield_time_ms=10)
         started = await _started(first)
@@ -914,15 +908,11 @@ async def test_active_cell_slot_is_released_after_cell_closed(
         second = _execute(stub, lease, "text('again')")
         await _started(second)
         assert _texts(await _outcome(second)) == ["again"]
-    finally:
-        await channel.close()
-        await host.aclose()
 
 
 async def test_in_flight_requests_are_bounded(provider: LocalSessionProvider) -> None:
     host = GrpcHost(provider, options=GrpcHostOptions(max_in_flight_requests=1))
-    channel, stub = await _connect(host)
-    try:
+    async with _served(host) as stub:
         lease = await _open(stub)  # the lease does not count
         first = _execute(stub, lease, "await new Promise(() => {})", yield_time_ms=60_000)
         await _started(first)  # the Execute stream holds the only slot
@@ -934,9 +924,6 @@ async def test_in_flight_requests_are_bounded(provider: LocalSessionProvider) ->
         assert closed.cell_id == "1"
         response = await stub.Wait(_wait(lease, "1", 0))
         assert response.WhichOneof("state") == "missing_cell"
-    finally:
-        await channel.close()
-        await host.aclose()
 
 
 @pytest.mark.timeout(60)
@@ -946,8 +933,7 @@ async def test_answers_to_the_hosts_requests_are_not_in_flight_requests(
     # Decision 0018: CompleteToolCall and AcknowledgeNotification answer the host's own requests
     # (V1 delegate responses, which never count, protocol-v1.md §8.7): a busy host takes them.
     host = GrpcHost(provider, options=GrpcHostOptions(max_in_flight_requests=2))
-    channel, stub = await _connect(host)
-    try:
+    async with _served(host) as stub:
         lease = await _open(stub)
         subscription = stub.SubscribeToToolCalls(
             pb.SubscribeToToolCallsRequest(session_id=lease.session_id)
@@ -985,9 +971,6 @@ async def test_answers_to_the_hosts_requests_are_not_in_flight_requests(
         assert _texts(outcome) == ['{"ok":true}']
         waiting.cancel()
         subscription.cancel()
-    finally:
-        await channel.close()
-        await host.aclose()
 
 
 @pytest.mark.slow
@@ -1192,8 +1175,7 @@ async def test_a_dropped_lease_is_logged_as_such(
 
 async def test_open_sessions_are_bounded(provider: LocalSessionProvider) -> None:
     host = GrpcHost(provider, options=GrpcHostOptions(max_sessions=1))
-    channel, stub = await _connect(host)
-    try:
+    async with _served(host) as stub:
         first = await _open(stub)
         error = await _status(stub.OpenSession(pb.OpenSessionRequest()).read())
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -1201,9 +1183,6 @@ async def test_open_sessions_are_bounded(provider: LocalSessionProvider) -> None
         await stub.CloseSession(pb.CloseSessionRequest(session_id=first.session_id))
         second = await _open(stub)  # the slot was released
         assert second.session_id != first.session_id
-    finally:
-        await channel.close()
-        await host.aclose()
 
 
 def test_keepalive_options() -> None:
@@ -1299,8 +1278,7 @@ async def test_calls_revoked_while_their_subscriber_does_not_read_are_never_writ
     read nothing. Now a revoked call leaves the queue at once, is never written, and has no
     cancellation: the client never saw it."""
     host = GrpcHost(provider, "grpc://127.0.0.1:0")
-    channel, stub = await _connect(host)
-    try:
+    async with _served(host) as stub:
         lease = await _open(stub)
         subscription = stub.SubscribeToToolCalls(
             pb.SubscribeToToolCallsRequest(session_id=lease.session_id)
@@ -1332,9 +1310,6 @@ async def test_calls_revoked_while_their_subscriber_does_not_read_are_never_writ
         counts = await _count_until_closed(lease, len(calls), "tool_call_cancelled")
         assert counts == {"tool_call_cancelled": len(received)}
         subscription.cancel()
-    finally:
-        await channel.close()
-        await host.aclose()
 
 
 @pytest.mark.timeout(60)
@@ -1347,8 +1322,7 @@ async def test_notifications_revoked_before_their_lease_wrote_them_are_never_wri
     lease. Now a notification not written yet is let go with nothing in its place, and no
     cancellation follows it: the client never saw it."""
     host = GrpcHost(provider, "grpc://127.0.0.1:0")
-    channel, stub = await _connect(host)
-    try:
+    async with _served(host) as stub:
         lease = await _open(stub)
         big = 8 << 20
         sources = [f'notify("x".repeat({big})); await new Promise(() => {{}})'] * 3
@@ -1374,9 +1348,6 @@ async def test_notifications_revoked_before_their_lease_wrote_them_are_never_wri
         # What was already on its way when the client stopped reading, and its cancellation.
         assert counts["notification"] <= 1
         assert counts["notification_cancelled"] == counts["notification"]
-    finally:
-        await channel.close()
-        await host.aclose()
 
 
 async def test_a_session_holds_a_bounded_number_of_subscriptions(stub: Stub) -> None:
