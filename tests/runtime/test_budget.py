@@ -14,7 +14,8 @@ from codemode.protocol.types import LiveCell, WaitRequest
 from codemode.runtime import LocalSession, LocalSessionProvider
 from codemode.runtime.budget import HeldCharacters, ResidentMemory, default_held_chars
 from codemode.runtime.session import DEFAULT_MAX_HELD_CHARS, MIN_HELD_CHARS
-from tests.contract.delegate import FIXTURE_TOOLS, RecordingDelegate
+from tests.contract import helpers
+from tests.contract.delegate import RecordingDelegate
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,23 +32,13 @@ async def provider() -> AsyncIterator[LocalSessionProvider]:
 
 
 async def start(session: LocalSession, source: str, yield_ms: int = 60_000) -> Result | Yielded:
-    started = await session.execute(
-        ExecuteRequest(
-            tool_call_id="c",
-            source=source,
-            enabled_tools=list(FIXTURE_TOOLS),
-            yield_time_ms=yield_ms,
-        )
-    )
-    response = await started.initial_response()
+    _, response = await helpers.start(session, source, yield_ms=yield_ms)
     assert isinstance(response, Result | Yielded)
     return response
 
 
 async def completed(session: LocalSession, source: str) -> Result:
-    response = await start(session, source)
-    assert isinstance(response, Result), response
-    return response
+    return await helpers.run(session, source, yield_ms=60_000)
 
 
 def texts(result: Result | Yielded) -> list[str]:
