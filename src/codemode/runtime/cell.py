@@ -445,17 +445,15 @@ class Cell:
         size = _item_chars(item)
         session = self._session
         over = session.buffered_output + size > MAX_SESSION_BUFFERED_OUTPUT_CHARS
-        if over or size > session.held.room(session.held_chars):
+        refusal = session.held_refusal(size)
+        if over or refusal is not None:
             # The item is not taken (one kept per cell would let 128 cells pass the bound by 16
             # Mi characters each): its cell ends as at its own bound, with what it had buffered;
             # the other cells keep theirs (counted) until observed.
             if running:
                 self._engine.terminate(self.key)
                 self._end(
-                    _session_output_too_large()
-                    if over
-                    else "exec cell output exceeds "
-                    + session.held.refusal(session.held_chars, size)
+                    _session_output_too_large() if over else f"exec cell output exceeds {refusal}"
                 )
             return
         self._items.append(item)
@@ -620,8 +618,7 @@ class Cell:
         session = self._session
         if session.pending_input_chars + size > MAX_PENDING_INPUT_CHARS:
             return PENDING_INPUTS_TOO_LARGE
-        if size > session.held.room(session.held_chars):
-            refusal = session.held.refusal(session.held_chars, size)
+        if (refusal := session.held_refusal(size)) is not None:
             return f"tool call refused: its input would pass {refusal}"
         return None
 
@@ -719,7 +716,7 @@ class Cell:
             MIN_ERROR_TEXT_ROOM,
             min(
                 MAX_SESSION_BUFFERED_OUTPUT_CHARS - session.buffered_output,
-                session.held.room(session.held_chars),
+                session.held_room(),
             ),
         )
         if len(error) > room:

@@ -612,9 +612,7 @@ class LocalSession(CodeModeSession):
                     "exec cell store writes were discarded: the session store would exceed "
                     f"{MAX_STORE_CHARS} characters"
                 )
-            growth = size - self.store_chars
-            if growth > self.held.room(self.held_chars):
-                refusal = self.held.refusal(self.held_chars, growth)
+            if (refusal := self.held_refusal(size - self.store_chars)) is not None:
                 return f"exec cell store writes were discarded: they would pass {refusal}"
             self._store.update(merged)
             self.store_chars = size
@@ -675,6 +673,17 @@ class LocalSession(CodeModeSession):
                     await self._put_store(engine, list(self._store.items()), self.store_chars)
                     self._store_copy = (engine, generation)
         return self._scope
+
+    def held_room(self) -> int:
+        """How many more characters this session may hold of its provider's shared count."""
+        return self.held.room(self.held_chars)
+
+    def held_refusal(self, size: int) -> str | None:
+        """What ``size`` more characters would pass of the provider's shared limit (the end of
+        the refusal's text), or ``None`` when they fit."""
+        if size <= self.held_room():
+            return None
+        return self.held.refusal(self.held_chars, size)
 
     def forget(self, cell: Cell) -> None:
         """Remove a closed cell; an idle session's own engine is released after a while."""
