@@ -1079,10 +1079,8 @@ class _Binding:
     def _invoked(self, invocation_id: str, callback: _Callback, result: CallbackResult) -> None:
         if self._invocations.get(invocation_id) is callback:
             del self._invocations[invocation_id]
-        record = callback.record
-        record.invocations.discard(invocation_id)
-        if not record.released:
-            self._maybe_release(record)
+        callback.record.invocations.discard(invocation_id)
+        self._maybe_release(callback.record)
         if callback.cancelled or self._stopped:
             return  # §6.4: a cancelled invocation is never completed
         if isinstance(result, ToolReturned | CallbackFailed):
