@@ -10,6 +10,11 @@ size its limits allow. The baselines, measured in the same run: the hold of a tr
 single ``msgspec.json.decode`` of a JSON string as large as the cell's data (the least Python can
 do with it once: the ratio says how many such passes the loop makes in one stretch).
 
+``CODEMODE_HEALTH_CARRIER=websocket`` measures a WebSocket host instead: the provider is served
+by a ``WebSocketHost`` on the ticker's loop, and the cells run in a session of a client in a
+child process (so that the client's own work stays off the measured loop). The host then also
+encodes each callback and answer for the client.
+
 Figures are the median of ``ROUNDS`` runs of each cell; nothing is asserted.
 ``CODEMODE_HEALTH_ONLY=text|store`` runs only the rows whose name holds ``text`` or ``store`` (and
 the baseline).
@@ -18,15 +23,22 @@ the baseline).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import statistics
+import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Final
+from pathlib import Path
+from typing import Final, Protocol
 
 import msgspec
 
 from benchmarks.common import progress, run_on_loop
+from codemode.host.address import WebSocketAddress
+from codemode.host.websocket import WebSocketHost
 from codemode.protocol import (
     JSON,
     CodeModeNestedToolCall,
@@ -117,7 +129,80 @@ class _Delegate(CodeModeSessionDelegate):
         return {"ok": isinstance(invocation.input, dict)}
 
 
-async def _held(session: CodeModeSession, source: str) -> float:
+class _Runner(Protocol):
+    async def __call__(self, source: str) -> None: ...
+
+
+def _in_session(session: CodeModeSession) -> _Runner:
+    """Runs a cell in ``session`` to its end."""
+
+    async def run(source: str) -> None:
+        started = await session.execute(
+            ExecuteRequest(
+                tool_call_id="health", source=source, enabled_tools=[SIZE], yield_time_ms=60_000
+            )
+        )
+        response = await started.initial_response()
+        while isinstance(response, Yielded):
+            outcome = await session.wait(WaitRequest(started.cell_id, 60_000))
+            response = outcome.response
+        assert isinstance(response, Result), response
+
+    return run
+
+
+#: The child of the ``websocket`` carrier: a client that runs each cell it reads (one JSON
+#: string a line) in one session and writes a line when it ended.
+_CLIENT = """
+import asyncio, json, sys
+from benchmarks.health import SIZE, _Delegate, _in_session
+from codemode.client.websocket import WebSocketCodeModeSessionProvider
+from codemode.errors import CodeModeError
+
+async def main():
+    async with WebSocketCodeModeSessionProvider(sys.argv[1]) as provider:
+        run = _in_session(await provider.create_session(_Delegate()))
+        for line in sys.stdin:
+            try:
+                await run(json.loads(line))
+            except CodeModeError:  # an answer too large for a frame: refused, as it should be
+                pass
+            print("done", flush=True)
+
+asyncio.run(main())
+"""
+
+
+@contextlib.asynccontextmanager
+async def _over_websocket(provider: LocalSessionProvider) -> AsyncIterator[_Runner]:
+    host = WebSocketHost(provider, WebSocketAddress("127.0.0.1", 0, "/"))
+    await host.start()
+    child = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _CLIENT,
+        host.url,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert child.stdin is not None and child.stdout is not None
+    stdin, stdout = child.stdin, child.stdout
+
+    async def run(source: str) -> None:
+        stdin.write(json.dumps(source).encode() + b"\n")
+        await stdin.drain()
+        assert await stdout.readline() == b"done\n", "the client failed (see its stderr)"
+
+    try:
+        yield run
+    finally:
+        stdin.close()
+        await child.wait()
+        await host.aclose()
+
+
+async def _held(run: _Runner, source: str) -> float:
     """The longest gap of the ticker (seconds) while ``source`` runs to its end."""
     longest = 0.0
     running = True
@@ -135,16 +220,7 @@ async def _held(session: CodeModeSession, source: str) -> float:
     await asyncio.sleep(0.02)
     longest = 0.0
     try:
-        started = await session.execute(
-            ExecuteRequest(
-                tool_call_id="health", source=source, enabled_tools=[SIZE], yield_time_ms=60_000
-            )
-        )
-        response = await started.initial_response()
-        while isinstance(response, Yielded):
-            outcome = await session.wait(WaitRequest(started.cell_id, 60_000))
-            response = outcome.response
-        assert isinstance(response, Result), response
+        await run(source)
     finally:
         running = False
         await task
@@ -164,18 +240,24 @@ def _decode_floor(chars: int) -> float:
 
 async def run() -> None:
     rows: list[tuple[str, float, float | None]] = []
-    async with LocalSessionProvider() as provider:
-        session = await provider.create_session(_Delegate())
-        await _held(session, 'text("warm")')
+    carrier = os.environ.get("CODEMODE_HEALTH_CARRIER", "embedded")
+    async with contextlib.AsyncExitStack() as stack:
+        provider = await stack.enter_async_context(LocalSessionProvider())
+        if carrier == "websocket":
+            run = await stack.enter_async_context(_over_websocket(provider))
+        else:
+            session = await provider.create_session(_Delegate())
+            stack.push_async_callback(session.shutdown)
+            run = _in_session(session)
+        await _held(run, 'text("warm")')
         only = os.environ.get("CODEMODE_HEALTH_ONLY", "")  # substrings of the rows to run, "|"
         for case in CASES:
             if only and case is not CASES[0] and not any(w in case.name for w in only.split("|")):
                 continue
             progress(case.name)
-            holds = [await _held(session, case.source) for _ in range(ROUNDS)]
+            holds = [await _held(run, case.source) for _ in range(ROUNDS)]
             floor = _decode_floor(case.chars) if case.chars else None
             rows.append((case.name, statistics.median(holds), floor))
-        await session.shutdown()
     baseline = rows[0][1]
     head = ("cell", "longest hold, ms", "÷ trivial cell", "one decode of its data, ms", "÷ decode")
     body = [
@@ -196,7 +278,7 @@ async def run() -> None:
             + " |"
         )
     print(
-        f"\nMedian of {ROUNDS} runs per cell, embedded provider, one session; the hold is the longest"
+        f"\nMedian of {ROUNDS} runs per cell, {carrier} session; the hold is the longest"
         f" gap between the wake-ups of a {TICK * 1000:g} ms ticker on the same loop, less the tick."
     )
 

@@ -11,11 +11,13 @@ import contextlib
 import json
 import logging
 import re
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import msgspec
 import pytest
 from grpc import aio
 
@@ -28,6 +30,7 @@ from codemode.host.grpc import (
     GrpcHostOptions,
     serve_grpc,
 )
+from codemode.protocol import strict_json
 from codemode.protocol.grpc import texts
 from codemode.protocol.grpc import v1_pb2 as pb
 from codemode.protocol.grpc.constants import MAX_MESSAGE_BYTES, SERVICE_NAME
@@ -1379,3 +1382,52 @@ async def test_a_session_holds_a_bounded_number_of_subscriptions(stub: Stub) -> 
             await asyncio.sleep(0.05)
     else:
         raise AssertionError("no slot came free")
+
+
+# -- large inputs ---------------------------------------------------------------------------------
+
+
+async def test_a_long_tool_input_is_encoded_off_the_loop(
+    stub: Stub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Escaped text encodes at 250-500 MB/s: an input of millions of backslashes is written a
+    # piece at a time on a worker thread (decision 0022), never by one encode on the loop.
+    loop_thread = threading.get_ident()
+    longest: list[int] = [0]
+
+    class Watched:
+        def encode(self, value: Any) -> bytes:
+            if threading.get_ident() == loop_thread and isinstance(value, dict):
+                longest[0] = max(
+                    [longest[0], *(len(v) for v in value.values() if isinstance(v, str))]
+                )
+            return msgspec.json.encode(value)
+
+    monkeypatch.setattr(strict_json, "_ENCODER", Watched())
+    lease = await _open(stub)
+    subscription = stub.SubscribeToToolCalls(
+        pb.SubscribeToToolCallsRequest(session_id=lease.session_id)
+    )
+    source = (
+        "const big = '\\\\'.repeat(3 * 1024 * 1024);"
+        "const small = tools.echo({ value: 'small' });"
+        "text(await tools.echo({ value: big, n: [1, null] })); await small;"
+    )
+    call = _execute(stub, lease, source, tools=(ECHO,))
+    await _started(call)
+    calls = [await asyncio.wait_for(subscription.read(), 10) for _ in range(2)]
+    inputs = {c.runtime_tool_call_id: json.loads(c.input_json) for c in calls}
+    assert inputs == {
+        "tool-1": {"value": "small"},
+        "tool-2": {"value": "\\" * (3 * 1024 * 1024), "n": [1, None]},
+    }
+    for tool_call in calls:
+        await stub.CompleteToolCall(
+            pb.CompleteToolCallRequest(
+                session_id=lease.session_id,
+                invocation_id=tool_call.invocation_id,
+                succeeded=pb.ToolCallSucceeded(output_json=b'"ok"'),
+            )
+        )
+    assert _texts(await _outcome(call)) == ["ok"]
+    assert longest[0] < 1024  # the long input never went through the loop's encoder

@@ -13,10 +13,12 @@ import asyncio
 import json
 import random
 import threading
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from codemode.protocol import InputText
 from codemode.runtime import engine as engine_module
@@ -231,3 +233,59 @@ async def test_an_exit_while_a_large_frame_is_decoded_comes_after_its_messages()
     assert events.seen == [("item", InputText(LONG_TEXT)), ("exited", "crashed")]
     await asyncio.sleep(0.2)  # the worker thread's decoding, when it ends, changes nothing
     assert len(events.seen) == 2
+
+
+# -- encoding ------------------------------------------------------------------------------------
+
+_JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(ALPHABET, max_size=60),
+    lambda children: (
+        st.lists(children, max_size=12)
+        | st.dictionaries(st.text(ALPHABET, max_size=50), children, max_size=12)
+    ),
+    max_leaves=60,
+)
+
+
+@pytest.mark.usefixtures("small")
+@settings(max_examples=300, deadline=None)
+@given(_JSON_VALUES)
+def test_a_value_encoded_in_pieces_is_what_one_encode_gives(value: Any) -> None:
+    whole = msgspec.json.encode(value)
+    assert bytes(cast(bytearray, pieces.encode(value))) == whole
+    assert bytes(cast(bytearray, pieces.encode(value, limit=len(whole)))) == whole
+    if whole:
+        assert pieces.encode(value, limit=len(whole) - 1) == len(whole)  # only counted
+
+
+@pytest.mark.usefixtures("small")
+@settings(max_examples=100, deadline=None)
+@given(_JSON_VALUES)
+def test_heavy_says_so_for_every_value_past_a_piece(value: Any) -> None:
+    # Never a false "light": one it calls light has at most a piece of characters (each six
+    # bytes at most, escaped) and 1,024 values (each at most a number's 24 and three marks).
+    if not pieces.heavy(value):
+        assert len(msgspec.json.encode(value)) <= 6 * pieces.PIECE + 1024 * 27
+
+
+def test_no_encode_call_is_longer_than_a_piece(monkeypatch: pytest.MonkeyPatch) -> None:
+    sizes: list[int] = []
+
+    class Watched:
+        def encode(self, value: Any) -> bytes:
+            encoded = msgspec.json.encode(value)
+            sizes.append(len(encoded))
+            return encoded
+
+    monkeypatch.setattr(pieces, "_ENCODER", Watched())
+    value = {
+        "\\" * 3_000_000: ["\x01" * 1_000_000, *(["\\" * 1000] * 5000)],
+        "many": [{"k": "\\" * 100}] * 20_000,
+    }
+    assert bytes(cast(bytearray, pieces.encode(value))) == msgspec.json.encode(value)
+    # A piece of characters that all escape to six bytes, and a run's brackets.
+    assert sizes and max(sizes) <= 6 * (pieces.PIECE + 1) + 2

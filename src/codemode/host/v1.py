@@ -16,8 +16,10 @@ import contextvars
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Generator
-from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from dataclasses import dataclass, replace
+from typing import Any, Final, Literal, TypeVar, cast
+
+import msgspec
 
 from codemode.errors import CodeModeError
 from codemode.protocol.constants import (
@@ -25,16 +27,26 @@ from codemode.protocol.constants import (
     CALLBACK_GRACE,
     DEFAULT_MAX_ACTIVE_CELLS,
     DEFAULT_MAX_IN_FLIGHT_REQUESTS,
+    MAX_FRAME_BYTES,
     SESSION_RESOURCE_LIMITS_CAPABILITY,
     SHUTDOWN_TIMEOUT,
 )
 from codemode.protocol.delegation import CallbackFailed, CallbackResult, ToolReturned
 from codemode.protocol.options import checked_count
-from codemode.protocol.types import JSON, CellId, CodeModeNestedToolCall
+from codemode.protocol.types import (
+    JSON,
+    CellId,
+    CodeModeNestedToolCall,
+    InputText,
+    Result,
+    RuntimeResponse,
+    WaitOutcome,
+)
 from codemode.protocol.v1 import events as ev
 from codemode.protocol.v1 import texts
 from codemode.protocol.v1.host import HostProtocol
 from codemode.protocol.v1.revision import WireRevision
+from codemode.runtime import pieces
 from codemode.session import (
     CancellationToken,
     CodeModeSession,
@@ -94,18 +106,35 @@ class _HostDelegate(CodeModeSessionDelegate):
         self, invocation: CodeModeNestedToolCall, cancellation: CancellationToken
     ) -> _Settlement:
         session_id = self._session_id
-        return self._served.callback(
-            lambda protocol: protocol.start_tool_call(session_id, invocation), cancellation
-        )
+        if not pieces.heavy(invocation.input):
+            return self._served.callback(
+                lambda protocol: protocol.start_tool_call(session_id, invocation), cancellation
+            )
+        encoding = self._served.encode_off_loop(invocation.input)
+
+        def start(protocol: HostProtocol) -> int:
+            value, excess = _encoded(encoding, invocation.input)
+            call = replace(invocation, input=value)
+            return protocol.start_tool_call(session_id, call, excess=excess)
+
+        return self._served.callback(start, cancellation, encoding)
 
     def notify(
         self, call_id: str, cell_id: CellId, text: str, cancellation: CancellationToken
     ) -> _Settlement:
         session_id = self._session_id
-        return self._served.callback(
-            lambda protocol: protocol.start_notification(session_id, call_id, cell_id, text),
-            cancellation,
-        )
+        if len(text) <= pieces.PIECE:
+            return self._served.callback(
+                lambda protocol: protocol.start_notification(session_id, call_id, cell_id, text),
+                cancellation,
+            )
+        encoding = self._served.encode_off_loop(text)
+
+        def start(protocol: HostProtocol) -> int:
+            value, excess = _encoded(encoding, text)
+            return protocol.start_notification(session_id, call_id, cell_id, value, excess=excess)
+
+        return self._served.callback(start, cancellation, encoding)
 
     def cell_closed(self, cell_id: CellId) -> None:
         self._served.protocol.cell_closed(self._session_id, cell_id)
@@ -233,12 +262,83 @@ async def _at_once(call: Coroutine[Any, Any, T]) -> list[T]:
 
 @dataclass(eq=False, slots=True)
 class _HeldBack:
-    """A callback not yet issued: the client does not take what was written."""
+    """A callback not yet issued: the client does not take what was written, or its input is
+    being encoded off the event loop (``encoding``)."""
 
     start: Callable[[HostProtocol], int]
     settlement: _Settlement
     cancellation: CancellationToken
+    encoding: asyncio.Future[bytearray | int] | None = None
     issued: bool = False
+
+    @property
+    def ready(self) -> bool:
+        return self.encoding is None or self.encoding.done()
+
+
+_Text = TypeVar("_Text", str, JSON)
+
+
+def _encoded(encoding: asyncio.Future[bytearray | int], value: _Text) -> tuple[_Text, int]:
+    """What stands for ``value`` in its callback's message once ``encoding`` (:func:`pieces.encode`
+    of it) is done, and the bytes it then lacks (see :meth:`HostProtocol.start_tool_call`).
+    Unfinished (the connection ended first) or failed, the value itself: the machine refuses
+    the callback, or its encode gives the error it gives."""
+    if not encoding.done() or encoding.cancelled() or encoding.exception() is not None:
+        return value, 0
+    encoded = encoding.result()
+    # A msgspec.Raw is written as it is, wherever a message holds it (the types say str or JSON).
+    if isinstance(encoded, int):
+        return cast(_Text, msgspec.Raw(b"0")), encoded - 1
+    return cast(_Text, msgspec.Raw(encoded)), 0
+
+
+async def _texts_encoded(response: RuntimeResponse) -> tuple[RuntimeResponse, int]:
+    """``response`` and the bytes it lacks: its texts encoded on a worker thread when they are
+    long, as a large callback input is (:meth:`V1HostConnection.encode_off_loop`)."""
+    total = len(response.error_text or "") if isinstance(response, Result) else 0
+    for item in response.content_items:
+        if isinstance(item, InputText):
+            total += len(item.text)
+    if total <= pieces.PIECE:
+        return response, 0
+    return await asyncio.to_thread(_with_encoded_texts, response)
+
+
+async def _outcome_encoded(outcome: WaitOutcome) -> tuple[WaitOutcome, int]:
+    response, excess = await _texts_encoded(outcome.response)
+    return (outcome if response is outcome.response else type(outcome)(response)), excess
+
+
+def _with_encoded_texts(response: RuntimeResponse) -> tuple[RuntimeResponse, int]:
+    """Each text stands in the response as a ``msgspec.Raw``; once they pass a frame's size,
+    those that follow are only measured (the response is refused), each standing in as ``0``."""
+    room = MAX_FRAME_BYTES
+    excess = 0
+
+    def encoded(text: str) -> str:
+        nonlocal room, excess
+        if len(text) < _ENCODED_TEXT_CHARS:
+            return text
+        value = pieces.encode(text, max(room, 0))
+        if isinstance(value, int):
+            room, excess = -1, excess + value - 1
+            return cast(str, msgspec.Raw(b"0"))
+        room -= len(value)
+        return cast(str, msgspec.Raw(value))
+
+    items = [
+        InputText(encoded(item.text)) if isinstance(item, InputText) else item
+        for item in response.content_items
+    ]
+    if isinstance(response, Result) and response.error_text is not None:
+        error_text = encoded(response.error_text)
+        return replace(response, content_items=items, error_text=error_text), excess
+    return replace(response, content_items=items), excess
+
+
+#: Texts shorter than this stay as they are in a response whose texts are encoded apart.
+_ENCODED_TEXT_CHARS: Final = 64
 
 
 class V1HostConnection:
@@ -482,11 +582,11 @@ class V1HostConnection:
             started.cancel()
             return
         try:
-            response = await started.initial_response()
+            response, excess = await _texts_encoded(await started.initial_response())
         except CodeModeError as error:
             protocol.operation_failed(request_id, error.message)
         else:
-            protocol.initial_response(request_id, response)
+            protocol.initial_response(request_id, response, excess)
         self.flush()
 
     @staticmethod
@@ -504,7 +604,7 @@ class V1HostConnection:
             settled_at_once=True,
         )
         if outcome is not None:
-            self.protocol.wait_completed(event.request_id, outcome)
+            self.protocol.wait_completed(event.request_id, *await _outcome_encoded(outcome))
             self.flush()
 
     async def _terminate(
@@ -515,11 +615,11 @@ class V1HostConnection:
         if session is None:
             return
         try:
-            outcome = await session.terminate(event.cell_id)
+            outcome, excess = await _outcome_encoded(await session.terminate(event.cell_id))
         except CodeModeError as error:
             self.protocol.operation_failed(event.request_id, error.message)
         else:
-            self.protocol.wait_completed(event.request_id, outcome)
+            self.protocol.wait_completed(event.request_id, outcome, excess)
         self.flush()
 
     async def _shutdown(self, event: ev.StartShutdown) -> None:
@@ -543,14 +643,30 @@ class V1HostConnection:
 
     # -- callbacks ---------------------------------------------------------------------------------
 
+    def encode_off_loop(self, value: JSON) -> asyncio.Future[bytearray | int]:
+        """Start :func:`pieces.encode` of a large callback input on a worker thread: escaped
+        text encodes at 250-500 MB/s, and one call would hold the event loop every session of
+        this host shares for as long (a tool input of 63 M backslashes: 0.5 s)."""
+        return asyncio.get_running_loop().run_in_executor(
+            None, pieces.encode, value, MAX_FRAME_BYTES
+        )
+
     def callback(
-        self, start: Callable[[HostProtocol], int], cancellation: CancellationToken
+        self,
+        start: Callable[[HostProtocol], int],
+        cancellation: CancellationToken,
+        encoding: asyncio.Future[bytearray | int] | None = None,
     ) -> _Settlement:
         """Issue one callback through the machine; the future of how it ends. While the client
-        does not take what was written, callbacks wait in order and are issued as it does."""
+        does not take what was written, or an earlier callback's input is being encoded
+        (``encoding``: this one's), callbacks wait in order and are issued as they can be."""
         settlement = _Settlement(asyncio.get_running_loop())
-        if self._held_back or (self._transport.backlogged() and not self.protocol.ended):
-            held = _HeldBack(start, settlement, cancellation)
+        if (
+            encoding is not None
+            or self._held_back
+            or (self._transport.backlogged() and not self.protocol.ended)
+        ):
+            held = _HeldBack(start, settlement, cancellation, encoding)
             self._held_back.append(held)
             cancellation.add_callback(lambda: self._withdraw(held))
             if self._releasing is None:
@@ -578,16 +694,24 @@ class V1HostConnection:
         held.issued = True
         with contextlib.suppress(ValueError):
             self._held_back.remove(held)
+        if held.encoding is not None:
+            held.encoding.cancel()  # what the thread makes is not needed; nothing waits for it
         held.settlement.set_result(CallbackFailed(texts.CALLBACK_REVOKED))
 
     async def _release_held_back(self) -> None:
         try:
             while self._held_back:
-                await self._pump.drain()
-                # At least one per drain: a carrier whose drain() returns while it still counts
-                # as backlogged delays nothing, and never spins.
-                self._issue_held_back(1)
-                while self._held_back and not self._transport.backlogged():
+                head = self._held_back[0]
+                if not head.ready:
+                    assert head.encoding is not None
+                    await asyncio.wait((head.encoding,))
+                elif self._transport.backlogged():
+                    await self._pump.drain()
+                    # At least one per drain: a carrier whose drain() returns while it still
+                    # counts as backlogged delays nothing, and never spins.
+                    if self._held_back and self._held_back[0].ready:
+                        self._issue_held_back(1)
+                else:
                     self._issue_held_back(1)
         finally:
             self._releasing = None

@@ -16,6 +16,10 @@ gives (a piece is cut only where its decode proves the cut clean: never inside a
 sequence or a surrogate pair). Nothing is trusted: a text that is not JSON fails to decode
 (:class:`msgspec.DecodeError`), or, should a backslash outside its strings mislead the scan, gives
 some value no larger than the text (what the engine sends is its own to spoil).
+
+The other way, :func:`encode` writes a JSON value as one encode would, each C call handling
+about a :data:`PIECE` of it: a host that sends a cell's tool input, notification or output item
+to its client encodes it so (on a worker thread) when it is large.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any, Final
 
 import msgspec
 
-__all__ = ["LONG", "PIECE", "Split", "put_back", "split"]
+__all__ = ["LONG", "PIECE", "Split", "encode", "heavy", "put_back", "split"]
 
 #: The units (characters, or bytes of UTF-8) of a text one C call handles here.
 PIECE: Final = 256 * 1024
@@ -35,6 +39,7 @@ PIECE: Final = 256 * 1024
 #: other quote one by one.
 LONG: Final = 4 * PIECE
 _STRING: Final = msgspec.json.Decoder(str)
+_ENCODER: Final = msgspec.json.Encoder()
 #: How far back from a stretch's end a cut is looked for: an escape is at most 6 units, a
 #: surrogate pair's two escapes 12.
 _BACK: Final = 12
@@ -218,3 +223,134 @@ def put_back(value: Any, strings: dict[str, str]) -> Any:
                 node.clear()
                 node.update(items)
     return value
+
+
+# -- encoding -------------------------------------------------------------------------------------
+
+
+def heavy(value: Any, budget: int = 1024) -> bool:
+    """True when ``value`` may hold more than a :data:`PIECE` of characters, keys included, and
+    values: its strings' lengths passed that, or its values ``budget``, before the look ended
+    (at most ``budget`` steps of Python: cheap enough for the event loop)."""
+    if isinstance(value, str):
+        return len(value) > PIECE
+    weight = 0
+    stack = [value]
+    while stack:
+        budget -= 1
+        if budget < 0:
+            return True
+        node = stack.pop()
+        if isinstance(node, str):
+            weight += len(node)
+        elif isinstance(node, list):
+            stack.extend(node)
+            weight += len(node)
+        elif isinstance(node, dict):
+            for key in node:
+                weight += len(key) + 1
+            stack.extend(node.values())
+        if weight > PIECE:
+            return True
+    return False
+
+
+class _Sink:
+    """Where :func:`encode` writes: its bytes while they are within ``limit``, then only their
+    count."""
+
+    __slots__ = ("data", "length", "limit")
+
+    def __init__(self, limit: int | None) -> None:
+        self.data: bytearray | None = bytearray()
+        self.length = 0
+        self.limit = limit
+
+    def write(self, chunk: bytes | memoryview) -> None:
+        self.length += len(chunk)
+        if self.data is None:
+            return
+        if self.limit is not None and self.length > self.limit:
+            self.data = None  # it will not be sent: what is kept is only its length
+        else:
+            self.data += chunk
+
+
+def encode(value: Any, limit: int | None = None) -> bytearray | int:
+    """``value`` as the JSON text one ``msgspec.json.encode`` gives, written by C calls that each
+    handle at most about a :data:`PIECE` of characters or values; a loop of Python over its
+    containers. Past ``limit`` bytes nothing more is kept: the result is then the text's length
+    alone. Encoding fails as one encode would (``TypeError``, ``OverflowError``)."""
+    sink = _Sink(limit)
+    _write(value, sink)
+    return sink.length if sink.data is None else sink.data
+
+
+def _write(value: Any, sink: _Sink) -> None:
+    if isinstance(value, str):
+        if len(value) <= PIECE:
+            sink.write(_ENCODER.encode(value))
+            return
+        # A str is cut between code points: no cut falls inside an escape or a UTF-8 sequence.
+        sink.write(b'"')
+        for start in range(0, len(value), PIECE):
+            sink.write(memoryview(_ENCODER.encode(value[start : start + PIECE]))[1:-1])
+        sink.write(b'"')
+    elif isinstance(value, list):
+        _write_items(value, sink, value, b"[", b"]")
+    elif isinstance(value, dict):
+        _write_items(list(value.items()), sink, value, b"{", b"}")
+    else:
+        sink.write(_ENCODER.encode(value))
+
+
+def _write_items(
+    items: list[Any], sink: _Sink, container: Any, opening: bytes, closing: bytes
+) -> None:
+    """The items of ``container`` (a list's values, a dict's key-value pairs): runs of small ones
+    in one encode each, large strings and containers each on its own."""
+    is_dict = isinstance(container, dict)
+    sink.write(opening)
+    separator = b""
+    start = weight = 0
+    for index, item in enumerate(items):
+        key, element = item if is_dict else ("", item)
+        size = _small_size(element)
+        if size is None or len(key) + size > PIECE:
+            if index > start:
+                sink.write(separator)
+                _write_run(items[start:index], sink, is_dict)
+                separator = b","
+            sink.write(separator)
+            if is_dict:
+                _write(key, sink)
+                sink.write(b":")
+            _write(element, sink)
+            separator = b","
+            start, weight = index + 1, 0
+            continue
+        if weight + len(key) + size > PIECE and index > start:
+            sink.write(separator)
+            _write_run(items[start:index], sink, is_dict)
+            separator = b","
+            start, weight = index, 0
+        weight += len(key) + size
+    if len(items) > start:
+        sink.write(separator)
+        _write_run(items[start:], sink, is_dict)
+    sink.write(closing)
+
+
+def _small_size(value: Any) -> int | None:
+    """The weight of a string, number, boolean or null; ``None`` for a container."""
+    if isinstance(value, str):
+        return len(value) + 1
+    if isinstance(value, list | dict):
+        return None
+    return 1
+
+
+def _write_run(run: list[Any], sink: _Sink, is_dict: bool) -> None:
+    """Consecutive small items in one encode, without its brackets."""
+    encoded = _ENCODER.encode(dict(run) if is_dict else run)
+    sink.write(memoryview(encoded)[1:-1])

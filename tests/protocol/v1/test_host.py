@@ -9,8 +9,10 @@ with the lane it was queued for.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Final
+from dataclasses import replace
+from typing import Any, Final, cast
 
+import msgspec
 import pytest
 
 from codemode.errors import FrameError
@@ -1679,6 +1681,47 @@ def test_an_oversize_tool_call_fails_with_j5() -> None:
         ],
         [],
     )
+
+
+def test_a_callback_value_encoded_elsewhere_is_written_as_it_is() -> None:
+    state = host()
+    opened(state)
+    finished_cell(state, 2, "1")
+    encoded = msgspec.Raw(b'{"v":"\\\\"}')  # a tool input encoded a piece at a time
+    invocation = replace(tool_call("1"), input=encoded)
+    assert state.start_tool_call(S1, invocation) == 1
+    assert state.start_notification(S1, "call-1", CellId("1"), cast(str, msgspec.Raw(b'"n"'))) == 2
+    payloads = [bytes(frame)[4:] for frame, _ in state.data_to_send()]
+    assert payloads == [
+        encode_payload(delegated(1, replace_input(wire_tool("1"), {"v": "\\"}))),
+        encode_payload(delegated(2, wire_note("1", "n"))),
+    ]
+
+
+def replace_input(body: ToolInvoke, value: Any) -> ToolInvoke:
+    return ToolInvoke(msgspec.structs.replace(body.invocation, input=value))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["tool call", "notification"])
+def test_a_callback_measured_too_large_elsewhere_is_j5_with_its_frame_length(kind: str) -> None:
+    # The glue measured the value (it is longer than a frame) and kept none of it: a one-byte
+    # stand-in and the bytes it lacks give the length the whole frame would have had.
+    state = host()
+    opened(state)
+    finished_cell(state, 2, "1")
+    long = "x" * MAX_FRAME_BYTES
+    if kind == "tool call":
+        whole = delegated(1, replace_input(wire_tool("1"), long))
+        stand_in = replace(tool_call("1"), input=msgspec.Raw(b"0"))
+        assert state.start_tool_call(S1, stand_in, excess=len(long) + 2 - 1) == 1
+    else:
+        whole = delegated(1, wire_note("1", long))
+        text = cast(str, msgspec.Raw(b"0"))
+        assert state.start_notification(S1, "call-1", CellId("1"), text, excess=len(long) + 1) == 1
+    assert out(state) == ([resolved(1, _too_large(whole))], [])
+    assert state.pending_callbacks == 0
+    assert call(state, "1") == (2, [], [delegated(2, wire_tool("1"))])
 
 
 # -- callbacks (§8.6) ----------------------------------------------------------------------------

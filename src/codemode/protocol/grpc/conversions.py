@@ -19,7 +19,7 @@ Identifiers that are not part of a domain value (``session_id``, ``execution_id`
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Final
+from typing import Any, Final
 
 from codemode.errors import WireConversionError
 from codemode.protocol import strict_json
@@ -131,10 +131,11 @@ def saturating_duration_ns(value: int) -> int:
 # -- JSON payloads ----------------------------------------------------------------------------------
 
 
-def _json_bytes(value: JSON) -> bytes:
-    """``value`` as compact UTF-8 JSON; :class:`ValueError` (the detail) if it is not JSON."""
+def _json_bytes(value: JSON, encode: Callable[[Any], bytes] = strict_json.dumps) -> bytes:
+    """``value`` as compact UTF-8 JSON, as ``encode`` writes it (another writer must give the same
+    bytes); :class:`ValueError` (the detail) if it is not JSON."""
     try:
-        encoded = strict_json.dumps(value)
+        encoded = encode(value)
     except (TypeError, ValueError, OverflowError) as error:
         raise ValueError(str(error)) from None
     if b"null" in encoded and (number := strict_json.non_finite_number(value)) is not None:
@@ -342,10 +343,12 @@ def tool_call_to_proto(
     invocation_id: str,
     sequence: int,
     traceparent: str | None = None,
+    input_json: bytes | None = None,
 ) -> pb.ToolCall:
     """Build a ``ToolCall`` (host side) from a cell's nested call and the ids that route it.
 
-    ``None`` input leaves ``input_json`` absent; ``sequence`` must fit a uint64.
+    ``None`` input leaves ``input_json`` absent; ``sequence`` must fit a uint64. ``input_json``:
+    the input encoded already (:func:`tool_input_json`), in place of encoding it here.
     """
     proto = pb.ToolCall(
         session_id=session_id,
@@ -357,14 +360,23 @@ def tool_call_to_proto(
         tool_kind=_KIND_TO_PROTO[CodeModeToolKind(call.tool_kind)],
         sequence=_u64(sequence),
     )
-    if call.input is not None:
-        try:
-            proto.input_json = _json_bytes(call.input)
-        except ValueError as error:
-            raise WireConversionError(texts.tool_call_input_not_json(str(error))) from None
+    if input_json is not None:
+        proto.input_json = input_json
+    elif call.input is not None:
+        proto.input_json = tool_input_json(call.input)
     if traceparent is not None:
         proto.traceparent = traceparent
     return proto
+
+
+def tool_input_json(value: JSON, encode: Callable[[Any], bytes] = strict_json.dumps) -> bytes:
+    """A nested call's input as its ``input_json``, as ``encode`` writes it (a large one is
+    written a piece at a time, off the event loop); :class:`WireConversionError` if it is not
+    JSON."""
+    try:
+        return _json_bytes(value, encode)
+    except ValueError as error:
+        raise WireConversionError(texts.tool_call_input_not_json(str(error))) from None
 
 
 def tool_call_to_domain(call: pb.ToolCall) -> CodeModeNestedToolCall:

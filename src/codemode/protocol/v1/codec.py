@@ -30,6 +30,7 @@ from codemode.protocol.v1.revision import WireRevision, check_revision
 __all__ = [
     "EOF",
     "NEED_DATA",
+    "PREFIX_BYTES",
     "UPSTREAM_MAX_NESTING",
     "FrameDecoder",
     "MessageDecoder",
@@ -39,12 +40,15 @@ __all__ = [
     "encode_frame",
     "encode_payload",
     "into_framed_bytes",
+    "oversize_error",
 ]
 
 M = TypeVar("M")
 M_co = TypeVar("M_co", covariant=True)
 
-_PREFIX: Final = 4
+#: The bytes of a frame's length prefix.
+PREFIX_BYTES: Final = 4
+_PREFIX: Final = PREFIX_BYTES
 _ENCODER: Final = msgspec.json.Encoder()
 _ANY_DECODER: Final = msgspec.json.Decoder()
 _DECODE_PREFIX: Final = "failed to decode code-mode IPC frame: "
@@ -78,7 +82,8 @@ NEED_DATA: Final = _Sentinel("NEED_DATA")
 EOF: Final = _Sentinel("EOF")
 
 
-def _oversize(length: int, limit: int = MAX_FRAME_BYTES) -> FrameError:
+def oversize_error(length: int, limit: int = MAX_FRAME_BYTES) -> FrameError:
+    """The error of a frame whose payload is ``length`` bytes, more than ``limit``."""
     return FrameError(
         FrameErrorKind.OVERSIZE, f"code-mode IPC frame length {length} exceeds {limit} bytes"
     )
@@ -280,7 +285,7 @@ def encode_frame(message: Any, max_frame_bytes: int = MAX_FRAME_BYTES) -> bytear
         raise FrameError(FrameErrorKind.INVALID_MESSAGE, _ENCODE_PREFIX + str(error)) from None
     length = len(buffer) - _PREFIX
     if length > max_frame_bytes:
-        raise _oversize(length, max_frame_bytes)
+        raise oversize_error(length, max_frame_bytes)
     buffer[:_PREFIX] = length.to_bytes(_PREFIX, "little")
     return buffer
 
@@ -288,7 +293,7 @@ def encode_frame(message: Any, max_frame_bytes: int = MAX_FRAME_BYTES) -> bytear
 def into_framed_bytes(payload: bytes | bytearray) -> bytes:
     """Prefix an already encoded payload with its length."""
     if len(payload) > MAX_FRAME_BYTES:
-        raise _oversize(len(payload))
+        raise oversize_error(len(payload))
     return len(payload).to_bytes(_PREFIX, "little") + payload
 
 
@@ -301,7 +306,7 @@ def decode_framed(buffer: bytes | bytearray, decoder: MessageDecoder[M]) -> M:
         )
     length = int.from_bytes(buffer[:_PREFIX], "little")
     if length > MAX_FRAME_BYTES:
-        raise _oversize(length)
+        raise oversize_error(length)
     received = size - _PREFIX
     if received != length:
         kind = (
@@ -375,7 +380,7 @@ class FrameDecoder(Generic[M]):
             )
         length = int.from_bytes(buffer[position : position + _PREFIX], "little")
         if length > self._limit:
-            raise self._fail(_oversize(length, self._limit))
+            raise self._fail(oversize_error(length, self._limit))
         end = position + _PREFIX + length
         if len(buffer) < end:
             if not self._eof:

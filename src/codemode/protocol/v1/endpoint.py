@@ -16,10 +16,12 @@ from codemode.errors import FrameError, RemoteProtocolError
 from codemode.protocol.v1.codec import (
     EOF,
     NEED_DATA,
+    PREFIX_BYTES,
     FrameDecoder,
     MessageDecoder,
     decode_framed,
     encode_frame,
+    oversize_error,
 )
 from codemode.protocol.v1.lanes import Lane, lane_of
 from codemode.protocol.v1.messages import ClientToHost, HostToClient, message_type
@@ -119,14 +121,22 @@ class Endpoint(Generic[In, Out, E]):
         """True once the connection is over (nothing more is received or produced)."""
         return self._ended
 
-    def _encode(self, message: Out) -> tuple[bytes | bytearray, Lane]:
+    def _encode(self, message: Out, excess: int = 0) -> tuple[bytes | bytearray, Lane]:
         """``message`` as a frame and the lane it goes on; raises :class:`FrameError` when it
-        cannot be written (nothing is queued then)."""
-        return encode_frame(message), lane_of(message) if self._dual else Lane.CONTROL
+        cannot be written (nothing is queued then).
 
-    def _queue(self, message: Out) -> None:
+        ``excess``: the bytes the message lacks. The glue measured some of its values elsewhere
+        (:func:`codemode.runtime.pieces.encode`), found them too large for a frame and kept
+        none of them; each stands in as a shorter ``msgspec.Raw``. The frame is then refused
+        with the length it would have had."""
+        frame = encode_frame(message)
+        if excess:
+            raise oversize_error(len(frame) - PREFIX_BYTES + excess)
+        return frame, lane_of(message) if self._dual else Lane.CONTROL
+
+    def _queue(self, message: Out, excess: int = 0) -> None:
         """Encode ``message`` and queue it (see :meth:`_encode`)."""
-        self._write(self._encode(message))
+        self._write(self._encode(message, excess))
 
     def _write(self, frame: tuple[bytes | bytearray, Lane]) -> None:
         """Queue an encoded frame; once the connection ended nothing more is written."""

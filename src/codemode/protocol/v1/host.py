@@ -48,7 +48,10 @@ from codemode.protocol.types import (
 from codemode.protocol.v1 import events as ev
 from codemode.protocol.v1 import messages as wire
 from codemode.protocol.v1 import texts
-from codemode.protocol.v1.codec import UPSTREAM_MAX_NESTING, MessageDecoder
+from codemode.protocol.v1.codec import (
+    UPSTREAM_MAX_NESTING,
+    MessageDecoder,
+)
 from codemode.protocol.v1.conversions import (
     execute_request_to_domain,
     limits_to_domain,
@@ -484,34 +487,40 @@ class HostProtocol(Endpoint[wire.ClientToHost, wire.HostToClient, ev.HostEvent])
         cell.early.clear()
         return True
 
-    def initial_response(self, request_id: int, response: RuntimeResponse) -> None:
-        """The admitted cell's first outcome."""
+    def initial_response(self, request_id: int, response: RuntimeResponse, excess: int = 0) -> None:
+        """The admitted cell's first outcome. Its texts may be encoded already, or measured
+        (``excess``), as a tool call's input (:meth:`start_tool_call`)."""
         request = self._requests.get(request_id)
         if request is not None:
             response = self._timed_response(response, request)
             body = runtime_response_to_wire(response, self.wire_revision)
-            self._initial(request_id, wire.WireOk(body))
+            self._initial(request_id, wire.WireOk(body), excess)
 
-    def _initial(self, request_id: int, result: wire.WireOk[Any] | wire.WireError) -> None:
+    def _initial(
+        self, request_id: int, result: wire.WireOk[Any] | wire.WireError, excess: int = 0
+    ) -> None:
         request = self._finish(request_id)
         if request is None:
             return
         try:
-            self._queue(wire.ExecuteInitialResponse(request_id, result))
+            self._queue(wire.ExecuteInitialResponse(request_id, result), excess)
         except FrameError as error:
             detail = wire.WireError(texts.response_too_large(_oversize(error)))
             self._queue(wire.ExecuteInitialResponse(request_id, detail))
         self._first_answer(request_id)
         self._answered_cell(request)
 
-    def wait_completed(self, request_id: int, outcome: WaitOutcome) -> None:
-        """A wait or terminate finished with ``outcome``."""
+    def wait_completed(self, request_id: int, outcome: WaitOutcome, excess: int = 0) -> None:
+        """A wait or terminate finished with ``outcome`` (its texts as in
+        :meth:`initial_response`)."""
         request = self._finish(request_id)
         if request is None:
             return
         outcome = type(outcome)(self._timed_response(outcome.response, request))
         self._answer(
-            request_id, wire.WaitCompleted(wait_outcome_to_wire(outcome, self.wire_revision))
+            request_id,
+            wire.WaitCompleted(wait_outcome_to_wire(outcome, self.wire_revision)),
+            excess,
         )
         self._answered_cell(request)
 
@@ -533,9 +542,9 @@ class HostProtocol(Endpoint[wire.ClientToHost, wire.HostToClient, ev.HostEvent])
             return response
         return replace(response, host_duration_ns=self._clock() - request.arrived_ns)
 
-    def _answer(self, request_id: int, value: wire.HostResponse) -> None:
+    def _answer(self, request_id: int, value: wire.HostResponse, excess: int = 0) -> None:
         try:
-            self._queue(wire.OperationResponse(request_id, wire.WireOk(value)))
+            self._queue(wire.OperationResponse(request_id, wire.WireOk(value)), excess)
         except FrameError as error:
             detail = wire.WireError(texts.response_too_large(_oversize(error)))
             self._queue(wire.OperationResponse(request_id, detail))
@@ -597,18 +606,31 @@ class HostProtocol(Endpoint[wire.ClientToHost, wire.HostToClient, ev.HostEvent])
         if request_id is not None and self._finish(request_id) is not None:
             self._answer(request_id, wire.SessionClosed(session_id))
 
-    def start_tool_call(self, session_id: str, invocation: CodeModeNestedToolCall) -> int:
-        """Send a nested tool call to the client; its end arrives as ``CallbackResolved``."""
-        request = wire.ToolInvoke(nested_tool_call_to_wire(invocation))
-        return self._start_callback(session_id, str(invocation.cell_id), request, False)
+    def start_tool_call(
+        self, session_id: str, invocation: CodeModeNestedToolCall, *, excess: int = 0
+    ) -> int:
+        """Send a nested tool call to the client; its end arrives as ``CallbackResolved``.
 
-    def start_notification(self, session_id: str, call_id: str, cell_id: CellId, text: str) -> int:
-        """Send a ``notify(...)`` text to the client; its end arrives as ``CallbackResolved``."""
+        The input may be encoded already (a ``msgspec.Raw``); ``excess``: the bytes it lacks,
+        measured elsewhere (see :meth:`Endpoint._encode`)."""
+        request = wire.ToolInvoke(nested_tool_call_to_wire(invocation))
+        return self._start_callback(session_id, str(invocation.cell_id), request, False, excess)
+
+    def start_notification(
+        self, session_id: str, call_id: str, cell_id: CellId, text: str, *, excess: int = 0
+    ) -> int:
+        """Send a ``notify(...)`` text to the client; its end arrives as ``CallbackResolved``.
+        The text may be encoded already, or measured (``excess``), as a tool call's input."""
         request = wire.NotificationSend(call_id, str(cell_id), text)
-        return self._start_callback(session_id, str(cell_id), request, True)
+        return self._start_callback(session_id, str(cell_id), request, True, excess)
 
     def _start_callback(
-        self, session_id: str, cell_id: str, request: wire.DelegateRequest, notification: bool
+        self,
+        session_id: str,
+        cell_id: str,
+        request: wire.DelegateRequest,
+        notification: bool,
+        excess: int,
     ) -> int:
         delegate_id = self._next_delegate_id
         self._next_delegate_id += 1
@@ -625,7 +647,8 @@ class HostProtocol(Endpoint[wire.ClientToHost, wire.HostToClient, ev.HostEvent])
             self._resolve(delegate_id, texts.TOO_MANY_CALLBACKS)
             return delegate_id
         try:
-            frame = self._encode(wire.DelegateRequestMessage(delegate_id, session_id, request))
+            message = wire.DelegateRequestMessage(delegate_id, session_id, request)
+            frame = self._encode(message, excess)
         except FrameError as error:
             self._resolve(delegate_id, texts.callback_too_large(_oversize(error)))
             return delegate_id

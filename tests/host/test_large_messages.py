@@ -1,0 +1,203 @@
+"""A V1 host encodes a cell's long texts off its event loop (decision 0022, second addendum).
+
+msgspec holds the GIL through one call and writes text JSON escapes at 250-500 MB/s: a tool input,
+notification or output item of tens of millions of backslashes held the loop every session of a
+host shares for half a second while its frame was encoded. Such a callback or answer is encoded
+on a worker thread, a piece at a time (:func:`codemode.runtime.pieces.encode`), and reaches the
+loop's encoder as ``msgspec.Raw``: no string the loop encodes is longer than a piece. What the
+client receives is what one encode gives, in the order the cell made it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, cast
+
+import msgspec
+import pytest
+
+from codemode.protocol.constants import MAX_FRAME_BYTES
+from codemode.protocol.v1 import codec
+from codemode.protocol.v1.messages import (
+    DelegateRequestMessage,
+    DelegateResponseMessage,
+    ExecuteInitialResponse,
+    NotificationDelivered,
+    NotificationSend,
+    OperationRequest,
+    SessionWait,
+    ToolInvoke,
+    ToolResult,
+    WireError,
+    WireInputText,
+    WireOk,
+    WireResultBody,
+    WireRuntimeResponse,
+    WireWaitRequest,
+)
+from codemode.runtime import LocalSessionProvider, pieces
+from codemode.runtime.cell import MAX_BUFFERED_OUTPUT_CHARS
+from tests.host.test_v1 import ECHO, serving
+
+#: Longer than a piece; every character escapes to two bytes.
+LONG = "\\" * (3 * 1024 * 1024)
+
+
+def _longest_string(value: Any) -> int:
+    """The longest string a message holds (an already encoded ``msgspec.Raw`` holds none)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list | tuple):
+        return max(map(_longest_string, value), default=0)
+    if isinstance(value, dict):
+        return max((max(len(k), _longest_string(v)) for k, v in value.items()), default=0)
+    if isinstance(value, msgspec.Struct):
+        return max((_longest_string(getattr(value, f)) for f in value.__struct_fields__), default=0)
+    return 0
+
+
+class _Watched:
+    """The codec's encoder, noting the longest string of every message encoded on the loop."""
+
+    def __init__(self, loop_thread: int) -> None:
+        self.loop_thread = loop_thread
+        self.longest = 0
+
+    def _note(self, message: Any) -> None:
+        if threading.get_ident() == self.loop_thread:
+            self.longest = max(self.longest, _longest_string(message))
+
+    def encode(self, message: Any) -> bytes:
+        self._note(message)
+        return msgspec.json.encode(message)
+
+    def encode_into(self, message: Any, buffer: bytearray, offset: int) -> None:
+        self._note(message)
+        msgspec.json.Encoder().encode_into(message, buffer, offset)
+
+
+@pytest.fixture
+def watched(monkeypatch: pytest.MonkeyPatch) -> _Watched:
+    encoder = _Watched(threading.get_ident())
+    monkeypatch.setattr(codec, "_ENCODER", encoder)
+    return encoder
+
+
+@pytest.mark.timeout(60)
+async def test_long_callbacks_and_items_are_encoded_off_the_loop_and_in_order(
+    provider: LocalSessionProvider, watched: _Watched
+) -> None:
+    source = (
+        'const big = "\\\\".repeat(3 * 1024 * 1024);'
+        'notify(big); notify("after");'
+        "const echoed = await tools.echo({ value: big, n: [1, 2.5, null, true] });"
+        "text(big); text(String(echoed === 'ok'));"
+        "await yield_control();"
+        "text(big + 'x');"
+    )
+    async with serving(provider) as served:
+        client = served.client
+        client.timeout = 30
+        await client.handshake()
+        await client.open()
+        cell = await client.execute(2, source, tools=(ECHO,))
+        first = await client.receive()
+        second = await client.receive()
+        third = await client.receive()
+        # In the cell's order, the long notification before the short one behind it.
+        assert isinstance(first, DelegateRequestMessage)
+        assert first.request == NotificationSend("call-1", cell, LONG)
+        assert isinstance(second, DelegateRequestMessage)
+        assert second.request == NotificationSend("call-1", cell, "after")
+        assert isinstance(third, DelegateRequestMessage) and isinstance(third.request, ToolInvoke)
+        assert third.request.invocation.input == {"value": LONG, "n": [1, 2.5, None, True]}
+        client.send(
+            DelegateResponseMessage(first.id, WireOk(NotificationDelivered())),
+            DelegateResponseMessage(second.id, WireOk(NotificationDelivered())),
+            DelegateResponseMessage(third.id, WireOk(ToolResult("ok"))),
+        )
+        initial = await client.receive()
+        assert isinstance(initial, ExecuteInitialResponse)
+        assert isinstance(initial.result, WireOk)
+        assert initial.result.value.body.content_items == [
+            WireInputText(LONG),
+            WireInputText("true"),
+        ]
+        client.send(OperationRequest(3, SessionWait("session-1", WireWaitRequest(cell, 10_000))))
+        answer: Any = None
+        while getattr(answer, "id", None) != 3:  # the wait's answer, past the cell's closing
+            answer = await client.receive()
+        assert answer.result.value.outcome.live_cell.body.content_items == [
+            WireInputText(LONG + "x")
+        ]
+    assert 0 < watched.longest <= pieces.PIECE
+
+
+@pytest.mark.timeout(60)
+async def test_a_callback_measured_too_large_is_refused_with_its_frame_length(
+    provider: LocalSessionProvider, watched: _Watched
+) -> None:
+    # 40 Mi backslashes: 80 MiB of JSON, only counted once past the frame limit.
+    source = (
+        "const big = '\\\\'.repeat(40 * 1024 * 1024);"
+        "try { await tools.echo(big); } catch (e) { text(String(e)); }"
+        "try { await tools.echo('small'); } catch (e) { text('refused: ' + String(e)); }"
+    )
+    async with serving(provider) as served:
+        client = served.client
+        client.timeout = 30
+        await client.handshake()
+        await client.open()
+        await client.execute(2, source, tools=(ECHO,))
+        call = await client.receive()
+        assert isinstance(call, DelegateRequestMessage) and isinstance(call.request, ToolInvoke)
+        assert call.request.invocation.input == "small"  # the first was never written
+        client.send(DelegateResponseMessage(call.id, WireOk(ToolResult("ok"))))
+        initial = await client.receive()
+    assert isinstance(initial, ExecuteInitialResponse) and isinstance(initial.result, WireOk)
+    items = initial.result.value.body.content_items
+    invoke = DelegateRequestMessage(
+        1,
+        "session-1",
+        ToolInvoke(
+            _invocation_with_input(call.request.invocation, msgspec.Raw(b"0"))  # measured
+        ),
+    )
+    length = len(msgspec.json.encode(invoke)) - 1 + 2 * 40 * 1024 * 1024 + 2
+    assert items[0] == WireInputText(
+        f"code-mode IPC frame length {length} exceeds {MAX_FRAME_BYTES} bytes"
+    )
+    assert items[1:] == []  # the second call's answer was "ok": no text
+    assert watched.longest <= pieces.PIECE
+
+
+def _invocation_with_input(invocation: Any, value: Any) -> Any:
+    return msgspec.structs.replace(invocation, input=value)
+
+
+@pytest.mark.timeout(60)
+async def test_an_answer_measured_too_large_is_refused_with_its_frame_length(
+    provider: LocalSessionProvider, watched: _Watched
+) -> None:
+    source = "text('ok'); text('\\\\'.repeat(40 * 1024 * 1024));"
+    async with serving(provider) as served:
+        client = served.client
+        client.timeout = 30
+        await client.handshake()
+        await client.open()
+        await client.execute(2, source)
+        answer = await client.receive()
+    assert isinstance(answer, ExecuteInitialResponse)
+    stand_in: list[Any] = [WireInputText("ok"), WireInputText(cast(str, msgspec.Raw(b"0")))]
+    # The cell ends failed: its output passed the buffered limit with the long text.
+    failed = f"exec cell output exceeds the limit of {MAX_BUFFERED_OUTPUT_CHARS} characters"
+    whole = ExecuteInitialResponse(
+        2, WireOk(WireRuntimeResponse(result=WireResultBody("1", stand_in, failed)))
+    )
+    # The long text's JSON (its backslashes doubled, its quotes) in place of its stand-in.
+    length = len(msgspec.json.encode(whole)) - 1 + (2 * 40 * 1024 * 1024 + 2)
+    assert answer.result == WireError(
+        "code-mode host response exceeds the IPC frame limit: "
+        f"code-mode IPC frame length {length} exceeds {MAX_FRAME_BYTES} bytes"
+    )
+    assert watched.longest <= pieces.PIECE
