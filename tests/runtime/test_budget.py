@@ -11,7 +11,7 @@ import pytest
 from codemode.client import ProcessOwnedCodeModeSessionProvider
 from codemode.protocol import ExecuteRequest, InputText, Result, Yielded
 from codemode.protocol.types import LiveCell, WaitRequest
-from codemode.runtime import LocalSession, LocalSessionProvider
+from codemode.runtime import LocalSession, LocalSessionProvider, budget
 from codemode.runtime.budget import HeldCharacters, ResidentMemory, default_held_chars
 from codemode.runtime.session import DEFAULT_MAX_HELD_CHARS, MIN_HELD_CHARS
 from tests.contract import helpers
@@ -49,6 +49,17 @@ def test_the_default_is_a_quarter_of_the_memory_and_never_below_one_session() ->
     assert DEFAULT_MAX_HELD_CHARS == default_held_chars(MIN_HELD_CHARS) >= MIN_HELD_CHARS
     assert default_held_chars(1 << 60) == 1 << 60
     assert MIN_HELD_CHARS == (256 + 64 + 128) << 20
+
+
+@pytest.mark.parametrize(
+    ("memory", "engines"),
+    [(24 << 30, 256), (4 << 30, 64), (1 << 30, 16), (512 << 20, 16), (None, 256)],
+)
+def test_the_default_engine_bound_fits_idle_engines_in_a_quarter_of_the_memory(
+    monkeypatch: pytest.MonkeyPatch, memory: int | None, engines: int
+) -> None:
+    monkeypatch.setattr(budget, "physical_memory", lambda: memory)
+    assert budget.default_max_engines(256, 16) == engines
 
 
 def test_the_limit_is_checked() -> None:

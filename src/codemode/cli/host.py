@@ -401,7 +401,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="N",
         help="engine processes at once, over all connections (one per session; at the bound an "
         "idle session's engine is taken back, and a cell that finds every engine busy is refused; "
-        "0: no bound)",
+        "default: 256, or as many idle engines as fit in a quarter of the memory; 0: no bound)",
     )
     host.add_argument(
         "--max-held-chars",

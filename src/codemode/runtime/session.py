@@ -48,6 +48,7 @@ from codemode.runtime.budget import (
     HeldCharacters,
     ResidentMemory,
     default_held_chars,
+    default_max_engines,
     physical_memory,
 )
 from codemode.runtime.cell import (
@@ -109,8 +110,11 @@ DEFAULT_IDLE_ENGINE_TIMEOUT: Final = 30.0
 #: process's start (≈30 ms of CPU) would otherwise compete with the session's first cell. A
 #: session that comes meanwhile starts an engine of its own at once.
 REFILL_DELAY: Final = 0.25
-#: How many engine processes one provider runs at once (warm ones included), by default.
-DEFAULT_MAX_ENGINES: Final = 256
+#: How many engine processes one provider runs at once (warm ones included), by default: 256,
+#: fewer where idle ones would take more than a quarter of the machine's memory (64 on 4 GiB),
+#: and never fewer than 16. A client opening sessions and running a trivial cell in each makes
+#: the host keep an engine per session until they idle out.
+DEFAULT_MAX_ENGINES: Final = default_max_engines(256, 16)
 
 
 def too_many_engines(bound: int) -> str:
