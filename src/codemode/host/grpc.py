@@ -709,15 +709,13 @@ class _HostDelegate(CodeModeSessionDelegate):
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         session.notifications[notification_id] = future
         session.pending += 1
-        event = pb.SessionEvent(
-            notification=pb.Notification(
-                notification_id=notification_id,
-                execution_id=execution.execution_id,
-                cell_id=cell_id.value,
-                call_id=call_id,
-                text=text,
-            )
-        )
+        event = pb.SessionEvent()
+        notification = event.notification  # built in place: a nested message is copied whole
+        notification.notification_id = notification_id
+        notification.execution_id = execution.execution_id
+        notification.cell_id = cell_id.value
+        notification.call_id = call_id
+        notification.text = text
         session.send(event, notification_id)
         cancellation.add_callback(lambda: session.revoke_notification(notification_id, grace=True))
         await future
@@ -1045,9 +1043,7 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
                 finally:
                     execution.started = None
                 duration = time.monotonic_ns() - received
-                yield pb.ExecuteEvent(
-                    outcome=conversions.runtime_response_to_proto(response, duration)
-                )
+                yield conversions.outcome_event(response, duration)
         except _Status as status:
             await self._abort(context, status)
 

@@ -138,6 +138,31 @@ def test_wait_outcomes_round_trip(wait_outcome: WaitOutcome) -> None:
     assert back.response.host_duration_ns == wait_outcome.response.host_duration_ns
 
 
+@given(s.runtime_responses)
+def test_an_outcome_event_is_the_outcome_built_in_place(response: RuntimeResponse) -> None:
+    event = c.outcome_event(response, 5)
+    assert event.WhichOneof("event") == "outcome"
+    assert event == pb.ExecuteEvent(outcome=c.runtime_response_to_proto(response, 5))
+    assert wire(event).SerializeToString() == event.SerializeToString()
+
+
+@given(s.content_items)
+def test_a_content_item_built_in_place_is_the_one_its_constructors_give(item: ContentItem) -> None:
+    if isinstance(item, InputText):
+        expected = pb.ContentItem(text=pb.TextContent(text=item.text))
+    elif isinstance(item, InputImage):
+        image = pb.ImageContent(image_url=item.image_url)
+        if item.detail is not None:
+            image.detail = c._DETAIL_TO_PROTO[ImageDetail(item.detail)]
+        expected = pb.ContentItem(image=image)
+    else:
+        expected = pb.ContentItem(audio=pb.AudioContent(audio_url=item.audio_url))
+    built = c.content_item_to_proto(item)
+    assert built == expected
+    assert built.WhichOneof("item") == expected.WhichOneof("item")
+    assert built.SerializeToString() == expected.SerializeToString()
+
+
 def test_each_response_kind_is_its_oneof_variant() -> None:
     cell = CellId("1")
     assert c.runtime_response_to_proto(Yielded(cell)).WhichOneof("outcome") == "yielded"
