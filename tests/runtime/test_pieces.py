@@ -289,3 +289,10 @@ def test_no_encode_call_is_longer_than_a_piece(monkeypatch: pytest.MonkeyPatch) 
     assert bytes(cast(bytearray, pieces.encode(value))) == msgspec.json.encode(value)
     # A piece of characters that all escape to six bytes, and a run's brackets.
     assert sizes and max(sizes) <= 6 * (pieces.PIECE + 1) + 2
+
+
+def test_a_value_nested_deeper_than_the_walk_goes_is_encoded_whole() -> None:
+    deep = msgspec.json.decode("[" * 900 + '"x"' + "]" * 900)
+    whole = msgspec.json.encode(deep)
+    assert bytes(cast(bytearray, pieces.encode(deep))) == whole
+    assert pieces.encode(deep, limit=10) == len(whole)

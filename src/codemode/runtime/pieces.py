@@ -282,7 +282,13 @@ def encode(value: Any, limit: int | None = None) -> bytearray | int:
     containers. Past ``limit`` bytes nothing more is kept: the result is then the text's length
     alone. Encoding fails as one encode would (``TypeError``, ``OverflowError``)."""
     sink = _Sink(limit)
-    _write(value, sink)
+    try:
+        _write(value, sink)
+    except RecursionError:
+        # Nested deeper than Python's recursion goes here (msgspec decodes up to ~1,000 levels,
+        # this walk about half): such a value is encoded in one call, as before.
+        whole = _ENCODER.encode(value)
+        return len(whole) if limit is not None and len(whole) > limit else bytearray(whole)
     return sink.length if sink.data is None else sink.data
 
 
