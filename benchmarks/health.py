@@ -10,10 +10,10 @@ size its limits allow. The baselines, measured in the same run: the hold of a tr
 single ``msgspec.json.decode`` of a JSON string as large as the cell's data (the least Python can
 do with it once: the ratio says how many such passes the loop makes in one stretch).
 
-``CODEMODE_HEALTH_CARRIER=websocket`` measures a WebSocket host instead: the provider is served
-by a ``WebSocketHost`` on the ticker's loop, and the cells run in a session of a client in a
-child process (so that the client's own work stays off the measured loop). The host then also
-encodes each callback and answer for the client.
+``CODEMODE_HEALTH_CARRIER=websocket`` (or ``grpc``) measures a host instead: the provider is
+served by a ``WebSocketHost`` (``GrpcHost``) on the ticker's loop, and the cells run in a session
+of a client in a child process (so that the client's own work stays off the measured loop). The
+host then also encodes each callback and answer for the client.
 
 Figures are the median of ``ROUNDS`` runs of each cell; nothing is asserted.
 ``CODEMODE_HEALTH_ONLY=text|store`` runs only the rows whose name holds ``text`` or ``store`` (and
@@ -38,6 +38,7 @@ import msgspec
 
 from benchmarks.common import progress, run_on_loop
 from codemode.host.address import WebSocketAddress
+from codemode.host.grpc import GrpcHost
 from codemode.host.websocket import WebSocketHost
 from codemode.protocol import (
     JSON,
@@ -151,16 +152,18 @@ def _in_session(session: CodeModeSession) -> _Runner:
     return run
 
 
-#: The child of the ``websocket`` carrier: a client that runs each cell it reads (one JSON
-#: string a line) in one session and writes a line when it ended.
+#: The child of the ``websocket`` and ``grpc`` carriers: a client that runs each cell it reads
+#: (one JSON string a line) in one session and writes a line when it ended.
 _CLIENT = """
 import asyncio, json, sys
 from benchmarks.health import SIZE, _Delegate, _in_session
+from codemode.client.grpc import GrpcCodeModeSessionProvider
 from codemode.client.websocket import WebSocketCodeModeSessionProvider
 from codemode.errors import CodeModeError
 
 async def main():
-    async with WebSocketCodeModeSessionProvider(sys.argv[1]) as provider:
+    remote = GrpcCodeModeSessionProvider if sys.argv[2] == "grpc" else WebSocketCodeModeSessionProvider
+    async with remote(sys.argv[1]) as provider:
         run = _in_session(await provider.create_session(_Delegate()))
         for line in sys.stdin:
             try:
@@ -174,14 +177,19 @@ asyncio.run(main())
 
 
 @contextlib.asynccontextmanager
-async def _over_websocket(provider: LocalSessionProvider) -> AsyncIterator[_Runner]:
-    host = WebSocketHost(provider, WebSocketAddress("127.0.0.1", 0, "/"))
+async def _over_host(provider: LocalSessionProvider, carrier: str) -> AsyncIterator[_Runner]:
+    host: WebSocketHost | GrpcHost
+    if carrier == "grpc":
+        host = GrpcHost(provider, "grpc://127.0.0.1:0")
+    else:
+        host = WebSocketHost(provider, WebSocketAddress("127.0.0.1", 0, "/"))
     await host.start()
     child = await asyncio.create_subprocess_exec(
         sys.executable,
         "-c",
         _CLIENT,
         host.url,
+        carrier,
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         cwd=Path(__file__).resolve().parent.parent,
@@ -243,8 +251,8 @@ async def run() -> None:
     carrier = os.environ.get("CODEMODE_HEALTH_CARRIER", "embedded")
     async with contextlib.AsyncExitStack() as stack:
         provider = await stack.enter_async_context(LocalSessionProvider())
-        if carrier == "websocket":
-            run = await stack.enter_async_context(_over_websocket(provider))
+        if carrier in ("websocket", "grpc"):
+            run = await stack.enter_async_context(_over_host(provider, carrier))
         else:
             session = await provider.create_session(_Delegate())
             stack.push_async_callback(session.shutdown)
