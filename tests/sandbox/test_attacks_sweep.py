@@ -39,6 +39,7 @@ from codemode.protocol import (
     Terminated,
     Yielded,
 )
+from codemode.protocol import delegation as delegation_module
 from codemode.protocol.types import ImageDetail
 from codemode.protocol.v1 import codec
 from codemode.runtime import LocalSession, LocalSessionProvider
@@ -789,3 +790,45 @@ async def test_no_decode_of_a_long_escaped_string_is_one_call(
             loaded = await run(session, "text(String(load('k') === '\\\\'.repeat(3e6)))")
             assert texts(loaded) == ["true"]
     assert max(sizes) <= pieces_module.PIECE + 2, sorted(sizes)[-3:]
+
+
+@pytest.mark.parametrize(
+    "character", ["\\\\", '\\"', "\\x01"], ids=["backslash", "quote", "control"]
+)
+async def test_a_long_tool_result_is_encoded_off_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch, character: str
+) -> None:
+    # Guards: a tool's result of more than a piece reaches the engine in a frame encoded on a
+    # worker thread, a piece at a time (cell.py _settle_call, engine.py result_frame). A tool that
+    # hands back what the cell gave it (`echo`) let one cell have its escape-heavy text encoded
+    # on the event loop every session shares, twice (the result's JSON, then that text as a
+    # string in the frame): 40 M backslashes held it for 1.0 s per call.
+    loop_thread = threading.get_ident()
+    on_the_loop: list[int] = []  # the size of each encoding made on the loop's thread
+
+    class Watched:
+        def __init__(self, encoder: Any) -> None:
+            self._encoder = encoder
+
+        def encode(self, message: Any) -> bytes:
+            out: bytes = self._encoder.encode(message)
+            if threading.get_ident() == loop_thread:
+                on_the_loop.append(len(out))
+            return out
+
+        def encode_into(self, message: Any, buffer: bytearray, offset: int) -> None:
+            self._encoder.encode_into(message, buffer, offset)
+            if threading.get_ident() == loop_thread:
+                on_the_loop.append(len(buffer) - offset)
+
+    monkeypatch.setattr(codec, "_ENCODER", Watched(codec._ENCODER))
+    monkeypatch.setattr(engine_module, "_ENCODER", Watched(engine_module._ENCODER))
+    monkeypatch.setattr(delegation_module, "_ENCODER", Watched(delegation_module._ENCODER))
+    value = f"'{character}'.repeat(3e6)"
+    async with LocalSessionProvider() as fresh:
+        session = await fresh.create_session(RecordingDelegate())
+        source = f"const r = await tools.echo({{s: {value}, n: [1, 2.5, '\u00e9\u2028']}});\n"
+        source += f"text(String(r.s === {value}) + ' ' + JSON.stringify(r.n))"
+        result = await run(session, source)
+        assert texts(result) == ['true [1,2.5,"\u00e9\u2028"]'], result.error_text
+    assert on_the_loop and max(on_the_loop) < 1024 * 1024, sorted(on_the_loop)[-3:]

@@ -42,8 +42,8 @@ from codemode.protocol.types import (
     ToolDefinition,
     Yielded,
 )
-from codemode.runtime.engine import THREAD_CHARS, NodeEngine, outside_strings
-from codemode.runtime.pieces import put_back, split
+from codemode.runtime.engine import THREAD_CHARS, NodeEngine, outside_strings, result_frame
+from codemode.runtime.pieces import heavy, put_back, split
 from codemode.session import CancellationToken, cell_context, run_in, serve_callback
 
 if TYPE_CHECKING:
@@ -587,14 +587,16 @@ class Cell:
 
         call = self._session.delegate.invoke_tool(invocation, token)
         task = serve_callback(
-            call, partial(self._settle_call, call_id, token), context=self._context
+            call, partial(self._settle_call, call_id, token, size), context=self._context
         )
         if task is not None:  # an eagerly started tool may already have answered
             self._calls[call_id] = (task, token)
             self._issue(token)
             self._session.hold_callback(task, size, values, containers)
 
-    def _settle_call(self, call_id: str, token: CancellationToken, result: CallbackResult) -> None:
+    def _settle_call(
+        self, call_id: str, token: CancellationToken, size: int, result: CallbackResult
+    ) -> None:
         self._calls.pop(call_id, None)
         self._issued.pop(token, None)
         if token.is_cancelled() or self._state is not _State.RUNNING:
@@ -605,12 +607,38 @@ class Cell:
         if isinstance(result, CallbackFailed):
             self._engine.send_result(self.key, call_id, False, result.message, alone=alone)
             return
+        value = getattr(result, "value", None)
+        if heavy(value):
+            # Encoded on a worker thread, a piece at a time (a tool that echoes the cell's input
+            # gives the cell the size of its result). The call counts against the session's
+            # bounds, with its input's characters, until its frame is written: a cell cannot
+            # pile up results waiting to be encoded.
+            encoding = asyncio.ensure_future(
+                asyncio.to_thread(result_frame, self.key, call_id, value)
+            )
+            self._session.hold_callback(encoding, size)
+            encoding.add_done_callback(partial(self._send_result_frame, call_id, token))
+            return
         try:
-            encoded = tool_result_json(getattr(result, "value", None))
+            encoded = tool_result_json(value)
         except CodeModeError as error:
             self._engine.send_result(self.key, call_id, False, error.message, alone=alone)
             return
         self._engine.send_result(self.key, call_id, True, msgspec.Raw(encoded), alone=alone)
+
+    def _send_result_frame(
+        self, call_id: str, token: CancellationToken, encoding: asyncio.Future[bytearray]
+    ) -> None:
+        if encoding.cancelled() or token.is_cancelled() or self._state is not _State.RUNNING:
+            return
+        error = encoding.exception()
+        if isinstance(error, CodeModeError):
+            self._engine.send_result(self.key, call_id, False, error.message)
+        elif error is not None:
+            logger.error("codemode engine: cannot encode a tool result", exc_info=error)
+            self._engine.send_result(self.key, call_id, False, str(error) or type(error).__name__)
+        else:
+            self._engine.send_result_frame(self.key, encoding.result())
 
     def _input_refusal(self, size: int) -> str | None:
         """Why a tool input or notification text of ``size`` characters may not be held until it

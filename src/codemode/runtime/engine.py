@@ -13,6 +13,7 @@ that is malformed or breaks the protocol ends the engine (and with it only its o
 from __future__ import annotations
 
 import asyncio
+import codecs
 import logging
 import os
 import shutil
@@ -24,12 +25,14 @@ from typing import Annotated, Any, Final, Literal, Protocol
 import msgspec
 
 from codemode.errors import CodeModeError, FrameError, FrameErrorKind
+from codemode.protocol.strict_json import non_finite_number
 from codemode.protocol.surrogates import well_formed
+from codemode.protocol.texts import delegate_result_not_json
 from codemode.protocol.types import ContentItem, ImageDetail, InputAudio, InputImage, InputText
 from codemode.protocol.v1.codec import NEED_DATA, FrameDecoder, encode_frame
 from codemode.runtime.budget import ResidentMemory
 from codemode.runtime.confinement import ConfinementReport
-from codemode.runtime.pieces import LONG, split
+from codemode.runtime.pieces import LONG, encode, split
 from codemode.spawning import child_preexec
 
 __all__ = ["DEFAULT_MEMORY_CAP_BYTES", "CellEvents", "EngineBreach", "NodeEngine", "find_node"]
@@ -1005,6 +1008,16 @@ class NodeEngine:
         else:
             self._schedule_flush()
 
+    def send_result_frame(self, key: int, frame: bytearray) -> None:
+        """Settle a nested tool call of cell ``key`` with a frame made off the loop
+        (:func:`result_frame`), written after what was queued before it."""
+        if key not in self._cells:
+            return
+        self._flush()
+        stdin = self._stdin
+        if stdin is not None and not stdin.is_closing():
+            stdin.write(frame)
+
     def terminate(self, key: int) -> None:
         """Stop a cell's isolate; the engine answers with ``on_exited``."""
         if key in self._cells:
@@ -1178,6 +1191,41 @@ def _json_string(text: str, out: bytearray) -> None:
     for start in range(0, len(text), STORE_PIECE_CHARS):
         out += memoryview(_ENCODER.encode(text[start : start + STORE_PIECE_CHARS]))[1:-1]
     out += b'"'
+
+
+def result_frame(key: int, call_id: str, value: Any) -> bytearray:
+    """The frame of a ``results`` message settling call ``call_id`` of cell ``key`` with
+    ``value``, made a piece at a time (on a worker thread, for a large result; the frame
+    :meth:`NodeEngine.send_result` would send). Raise :class:`CodeModeError` with the text of
+    :func:`~codemode.protocol.delegation.tool_result_json` for a value that is not JSON.
+
+    A tool that hands back what the cell gave it (an echo) let the cell have its text encoded on
+    the event loop every session shares, twice: the result's JSON, then that JSON as the string
+    the isolate parses. 40 M backslashes held the loop for 1.0 s per call."""
+    try:
+        encoded = encode(value)
+        assert isinstance(encoded, bytearray)  # no limit: the text itself
+        if b"null" in encoded and (number := non_finite_number(value)) is not None:
+            raise ValueError(f"{number} is not a JSON number")
+    except (TypeError, ValueError, OverflowError) as error:
+        raise CodeModeError(delegate_result_not_json(str(error))) from None
+    frame = bytearray(4) + b'[{"t":"results","cell":' + str(int(key)).encode() + b',"r":"'
+    results = b"[[" + _ENCODER.encode(call_id) + b",true,"
+    frame += memoryview(_ENCODER.encode(results.decode()))[1:-1]
+    # The JSON text as a string, a piece at a time: cuts between its UTF-8 bytes are mended by
+    # the incremental decoder, which keeps a split character for the next piece.
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    view = memoryview(encoded)
+    for start in range(0, len(encoded), STORE_PIECE_CHARS):
+        piece = decoder.decode(view[start : start + STORE_PIECE_CHARS])
+        frame += memoryview(_ENCODER.encode(piece))[1:-1]
+    frame += memoryview(_ENCODER.encode(decoder.decode(b"", final=True)))[1:-1]
+    frame += b']]"}]'
+    size = len(frame) - 4
+    if size > _MAX_FRAME_TO_ENGINE:
+        raise CodeModeError(delegate_result_not_json(f"{size} bytes are too many for one frame"))
+    frame[:4] = size.to_bytes(4, "little")
+    return frame
 
 
 def _store_frames(scope: int, entries: list[tuple[str, str]]) -> list[bytearray]:
