@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 from collections.abc import AsyncIterator
 
 import pytest
 
-from codemode.protocol import ExecuteRequest, InputText, Result
+from codemode.protocol import ExecuteRequest, ImageDetail, InputImage, InputText, Result
 from codemode.runtime import LocalSession, LocalSessionProvider
 from codemode.runtime import session as session_module
 from codemode.runtime.cell import PENDING_CONTAINERS_TOO_MANY, PENDING_VALUES_TOO_MANY
@@ -35,6 +37,34 @@ async def test_a_flood_of_empty_items_is_bounded(session: LocalSession) -> None:
     # Python's bound on output waiting for an observer comes first (64 characters an item).
     assert result.error_text == "exec cell output exceeds the limit of 16777216 characters"
     assert len(result.content_items) == (16 << 20) // 64 + 1
+
+
+async def test_buffered_items_cost_the_cyclic_collector_nothing(session: LocalSession) -> None:
+    # A session may buffer about a million items (64 characters each against its bounds): held
+    # as objects the collector tracks, every full collection walked them all (about 70 ms each).
+    await run(session, "text('warm')")
+    gc.collect()
+    tracked_before = len(gc.get_objects())
+    started = await session.execute(
+        ExecuteRequest(
+            tool_call_id="c",
+            source="for (let i = 0; i < 20000; i++) text('x' + i); image('data:image/png;base64,"
+            "AAAA'); await new Promise(() => {})",
+            enabled_tools=[],
+            yield_time_ms=60_000,
+        )
+    )
+    try:
+        async with asyncio.timeout(30):
+            while session.buffered_output < 20_001 * 64:
+                await asyncio.sleep(0.01)
+        gc.collect()
+        assert len(gc.get_objects()) - tracked_before < 2_000
+    finally:
+        outcome = await session.terminate(started.cell_id)
+    items = outcome.response.content_items
+    assert items[:2] == [InputText("x0"), InputText("x1")] and len(items) == 20_001
+    assert items[-1] == InputImage("data:image/png;base64,AAAA", ImageDetail.HIGH)
 
 
 async def test_output_buffered_for_one_observation_is_bounded(session: LocalSession) -> None:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from enum import Enum
 from functools import partial
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import msgspec
 
@@ -32,6 +32,8 @@ from codemode.protocol.types import (
     CellId,
     CodeModeNestedToolCall,
     ContentItem,
+    ImageDetail,
+    InputAudio,
     InputImage,
     InputText,
     LiveCell,
@@ -123,13 +125,34 @@ def _session_output_too_large() -> str:
     )
 
 
-def _item_chars(item: ContentItem) -> int:
-    """What ``item`` counts against the bounds on buffered output."""
+#: A buffered item: its kind and its strings. The cyclic collector stops tracking a tuple that
+#: holds only strings, so the million items a session may buffer cost its full collections
+#: nothing (held as objects, they cost each full collection about 70 ms, every time a cell's
+#: flood of items triggered one).
+_Packed: TypeAlias = tuple[str, ...]
+
+
+def _packed(item: ContentItem) -> _Packed:
     if isinstance(item, InputText):
-        return ITEM_OVERHEAD_CHARS + len(item.text)
+        return ("text", item.text)
     if isinstance(item, InputImage):
-        return ITEM_OVERHEAD_CHARS + len(item.image_url)
-    return ITEM_OVERHEAD_CHARS + len(item.audio_url)
+        return ("image", item.image_url, "" if item.detail is None else str(item.detail))
+    return ("audio", item.audio_url)
+
+
+def _unpacked(packed: _Packed) -> ContentItem:
+    kind = packed[0]
+    if kind == "text":
+        return InputText(packed[1])
+    if kind == "image":
+        return InputImage(packed[1], ImageDetail(packed[2]) if packed[2] else None)
+    return InputAudio(packed[1])
+
+
+def _item_chars(item: _Packed) -> int:
+    """What a buffered item counts against the bounds on buffered output (its text, or its
+    media's URL)."""
+    return ITEM_OVERHEAD_CHARS + len(item[1])
 
 
 def _json_counts(text: str, value_room: int, container_room: int) -> tuple[int, int]:
@@ -264,7 +287,7 @@ class Cell:
         self._call_id = call_id
         self._tools = tools
         self._state = _State.RUNNING
-        self._items: list[ContentItem] = []
+        self._items: list[_Packed] = []
         self._observer: _Observer | None = None
         self._observed = False
         self._parked_yield = False
@@ -381,7 +404,8 @@ class Cell:
             self._deliver(Yielded(self.cell_id, self._drain()))
 
     def _drain(self) -> list[ContentItem]:
-        items, self._items = self._items, []
+        items = [_unpacked(packed) for packed in self._items]
+        self._items = []
         self._session.buffered_output -= self._buffered  # the observation takes them: room again
         self._buffered = 0
         return items
@@ -403,7 +427,7 @@ class Cell:
         # The observer vanished after its outcome was set: its items go back to the front (a
         # completion stays buffered, since the cell only closes once an observer consumed it).
         if self._state is not _State.CLOSED:
-            items = response.content_items
+            items = [_packed(item) for item in response.content_items]
             self._items[:0] = items
             # Buffered again, so counted again (the cell's own bound and the session's).
             size = sum(map(_item_chars, items))
@@ -442,7 +466,8 @@ class Cell:
             self._state is not _State.TERMINATING or self._buffered > MAX_BUFFERED_OUTPUT_CHARS
         ):
             return
-        size = _item_chars(item)
+        packed = _packed(item)
+        size = _item_chars(packed)
         session = self._session
         over = session.buffered_output + size > MAX_SESSION_BUFFERED_OUTPUT_CHARS
         refusal = session.held_refusal(size)
@@ -456,7 +481,7 @@ class Cell:
                     _session_output_too_large() if over else f"exec cell output exceeds {refusal}"
                 )
             return
-        self._items.append(item)
+        self._items.append(packed)
         self._buffered += size
         session.buffered_output += size
         if running and self._buffered > MAX_BUFFERED_OUTPUT_CHARS:
