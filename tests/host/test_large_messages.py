@@ -10,12 +10,17 @@ client receives is what one encode gives, in the order the cell made it.
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any, cast
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from codemode.host.grpc import _loads_in_pieces
+from codemode.protocol import strict_json
 from codemode.protocol.constants import MAX_FRAME_BYTES
 from codemode.protocol.v1 import codec
 from codemode.protocol.v1.messages import (
@@ -38,6 +43,7 @@ from codemode.protocol.v1.messages import (
 from codemode.runtime import LocalSessionProvider, pieces
 from codemode.runtime.cell import MAX_BUFFERED_OUTPUT_CHARS
 from tests.host.test_v1 import ECHO, serving
+from tests.runtime.test_pieces import _JSON_VALUES, ALPHABET
 
 #: Longer than a piece; every character escapes to two bytes.
 LONG = "\\" * (3 * 1024 * 1024)
@@ -201,3 +207,58 @@ async def test_an_answer_measured_too_large_is_refused_with_its_frame_length(
         f"code-mode IPC frame length {length} exceeds {MAX_FRAME_BYTES} bytes"
     )
     assert watched.longest <= pieces.PIECE
+
+
+# -- what a client sends: a gRPC tool output parsed a piece at a time --------------------------
+
+_OUTPUT_TEXTS = st.one_of(
+    _JSON_VALUES.map(msgspec.json.encode),
+    st.text(ALPHABET + '{}[],:"0123456789.eE+-tfnul ', max_size=120).map(str.encode),
+    st.lists(st.text(ALPHABET, min_size=30, max_size=60), max_size=3).map(
+        lambda keys: ("{" + ",".join(f"{json.dumps(k)}:1" for k in keys + keys[:1]) + "}").encode()
+    ),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_OUTPUT_TEXTS)
+def test_a_tool_output_parsed_in_pieces_is_what_one_parse_gives(
+    text: bytes,
+) -> None:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pieces, "PIECE", 16)
+        patch.setattr(pieces, "LONG", 40)
+        assert _parsed(_loads_in_pieces, text) == _parsed(strict_json.loads, text)
+
+
+def _parsed(parse: Any, text: bytes) -> tuple[bool, Any]:
+    """What ``parse(text)`` returns, or the text of the ``JSONError`` it raises."""
+    try:
+        return True, parse(text)
+    except strict_json.JSONError as error:
+        return False, str(error)
+
+
+def test_no_parse_of_a_long_tool_output_handles_more_than_a_piece(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sizes: list[int] = []
+
+    class Watched:
+        def decode(self, data: Any) -> Any:
+            sizes.append(len(data))
+            return msgspec.json.decode(data)
+
+    monkeypatch.setattr(pieces, "_STRING", Watched())
+    parsed: list[int] = []
+    real = strict_json.loads_large
+
+    def loads_large(data: bytes) -> Any:
+        parsed.append(len(data))
+        return real(data)
+
+    monkeypatch.setattr(strict_json, "loads_large", loads_large)
+    value = {"\\" * 2_000_000: ["\x01" * 1_500_000, 1, None], "b": "\\" * 3_000_000}
+    assert _loads_in_pieces(msgspec.json.encode(value)) == value
+    assert sizes and max(sizes) <= pieces.PIECE + 2
+    assert parsed and max(parsed) < 1024

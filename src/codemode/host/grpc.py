@@ -643,6 +643,23 @@ def _settle_later(future: asyncio.Future[Any], outcome: object, grace: bool) -> 
         settle()
 
 
+def _loads_in_pieces(data: bytes) -> JSON:
+    """``strict_json.loads(data)`` for a worker thread: what it returns or raises, but the long
+    string literals (``pieces.LONG`` bytes or more) are decoded a piece at a time, each a C
+    call of its own, so that the event loop gets the GIL in between (one parse held it 0.2-0.3 s
+    for a tool output of 33 M backslashes). The rest, the skeleton, is parsed as ``loads`` parses
+    a large text. A text this cannot take whole (not strict JSON, a long key repeated) is parsed
+    by ``loads``, for its exact error."""
+    try:
+        parts = pieces.split(data)
+        if parts.spans:
+            skeleton = strict_json.loads_large(bytes(parts.skeleton))
+            return cast(JSON, pieces.put_back(skeleton, parts.strings(), unique=True))
+    except (ValueError, RecursionError):  # JSONError, msgspec.DecodeError
+        pass
+    return cast(JSON, strict_json.loads(data))
+
+
 def _encoded_in_pieces(value: JSON) -> bytes:
     return bytes(cast(bytearray, pieces.encode(value)))
 
@@ -914,23 +931,42 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
         # delegate response does (protocol-v1.md §8.7), bounded by the pending invocations;
         # refused on a busy host, the client fails its whole session (§6.3).
         try:
-            session = self._session(request.session_id)
-            invocation_id = self._identifier("invocation_id", request.invocation_id, uuid=True)
-            invocation = session.invocations.get(invocation_id)
-            if invocation is None:
-                # Upstream 0.171.0 answers OK to a completion of an invocation it issued and no
-                # longer waits for (completed, cancelled, its cell ended); NOT_FOUND is for ids it
-                # never issued.
-                if invocation_id in session.retired_invocations:
-                    return pb.CompleteToolCallResponse()
-                raise _Status(grpc.StatusCode.NOT_FOUND, texts.unknown_invocation(invocation_id))
-            # An invalid completion is refused and changes nothing: the invocation still waits
-            # for a valid one, as upstream 0.171.0's host does (§6.3 rejected the cell's call).
-            outcome = request.WhichOneof("outcome")
-            value: JSON = None
-            if outcome == "succeeded":
+            parsed: list[JSON] = []
+            while True:
+                session = self._session(request.session_id)
+                invocation_id = self._identifier("invocation_id", request.invocation_id, uuid=True)
+                invocation = session.invocations.get(invocation_id)
+                if invocation is None:
+                    # Upstream 0.171.0 answers OK to a completion of an invocation it issued and
+                    # no longer waits for (completed, cancelled, its cell ended); NOT_FOUND is for
+                    # ids it never issued.
+                    if invocation_id in session.retired_invocations:
+                        return pb.CompleteToolCallResponse()
+                    raise _Status(
+                        grpc.StatusCode.NOT_FOUND, texts.unknown_invocation(invocation_id)
+                    )
+                # An invalid completion is refused and changes nothing: the invocation still
+                # waits for a valid one, as upstream 0.171.0's host does (§6.3 rejected the
+                # cell's call).
+                outcome = request.WhichOneof("outcome")
+                output = request.succeeded.output_json
+                if parsed or outcome != "succeeded" or len(output) < pieces.LONG:
+                    break
+                # A long output is parsed on a worker thread, its long strings a piece at a
+                # time; then everything above is looked at again (the session or the
+                # invocation may have ended meanwhile).
                 try:
-                    value = strict_json.loads(request.succeeded.output_json)
+                    parsed.append(await asyncio.to_thread(_loads_in_pieces, output))
+                except strict_json.JSONError as error:
+                    raise _Status(
+                        grpc.StatusCode.INVALID_ARGUMENT, texts.tool_output_not_json(str(error))
+                    ) from None
+            value: JSON = None
+            if parsed:
+                value = parsed[0]
+            elif outcome == "succeeded":
+                try:
+                    value = strict_json.loads(output)
                 except strict_json.JSONError as error:
                     raise _Status(
                         grpc.StatusCode.INVALID_ARGUMENT, texts.tool_output_not_json(str(error))

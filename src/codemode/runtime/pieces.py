@@ -190,10 +190,11 @@ def _cuts(text: Any, start: int, stop: int, end: int, marks: _Marks) -> list[int
     return [cut for cut in cuts if start < cut <= stop]
 
 
-def put_back(value: Any, strings: dict[str, str]) -> Any:
+def put_back(value: Any, strings: dict[str, str], *, unique: bool = False) -> Any:
     """``value`` (decoded from a skeleton) with each placeholder, as a string or an object's key,
     replaced by its string; a loop of Python over its containers (on a worker thread, the event
-    loop gets the GIL every switch interval)."""
+    loop gets the GIL every switch interval). ``unique``: a key put back that an object already
+    has (its text repeated a key) raises ``ValueError``."""
     if not strings:
         return value
     if isinstance(value, str):
@@ -222,6 +223,8 @@ def put_back(value: Any, strings: dict[str, str]) -> Any:
                 items = [(strings.get(key, key), item) for key, item in node.items()]
                 node.clear()
                 node.update(items)
+                if unique and len(node) != len(items):
+                    raise ValueError("duplicate key")
     return value
 
 
