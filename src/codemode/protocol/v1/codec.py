@@ -57,7 +57,6 @@ _TOO_DEEP: Final = _DECODE_PREFIX + "recursion limit exceeded"
 #: The deepest nesting of arrays and objects the upstream host reads in a frame (serde_json's
 #: recursion limit, 128, refuses the 128th level); ``MessageDecoder(max_depth=...)``.
 UPSTREAM_MAX_NESTING: Final = 127
-_ESCAPE: Final = re.compile(rb"\\.", re.DOTALL)
 _NOT_BRACKETS: Final = bytes(b for b in range(256) if b not in b"[]{}")
 _NOT_BRACKETS_OR_QUOTES: Final = bytes(b for b in range(256) if b not in b'[]{}"')
 _SQUARE: Final = bytes.maketrans(b"{}", b"[]")
@@ -99,8 +98,10 @@ def _nesting_exceeds(payload: bytes | bytearray, limit: int) -> bool:
     there are at most an eighth as many runs as brackets."""
     if len(payload.translate(None, _NOT_BRACKETS)) <= limit:
         return False  # brackets inside strings count too, so this never misses
-    # Escapes out first (`\"` is no quote; `\u005b` no bracket), then what strings hold.
-    plain = _ESCAPE.sub(b"", payload) if b"\\" in payload else payload
+    # Escaped quotes out first (`\"` is no quote), then what strings hold. Escapes pair left to
+    # right, as bytes.replace scans: escaped backslashes go first, then every `\"` left is an
+    # escaped quote (two C passes; a regex substitution took 2.7 s for 30 M escapes).
+    plain = payload.replace(b"\\\\", b"").replace(b'\\"', b"") if b"\\" in payload else payload
     # Two quotes side by side are an empty string or two strings with nothing between them:
     # dropping them leaves what lies outside strings as it was, and most strings then go whole.
     marks = plain.translate(None, _NOT_BRACKETS_OR_QUOTES).replace(b'""', b"")
