@@ -11,13 +11,11 @@ import contextlib
 import json
 import logging
 import re
-import threading
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-import msgspec
 import pytest
 from grpc import aio
 
@@ -44,6 +42,7 @@ from codemode.session import (
     CodeModeSessionProvider,
     StartedCell,
 )
+from tests.loop_encodes import watch_encoders
 from tests.proxy import FreezingProxy
 
 ECHO = pb.ToolDefinition(
@@ -1392,18 +1391,7 @@ async def test_a_long_tool_input_is_encoded_off_the_loop(
 ) -> None:
     # Escaped text encodes at 250-500 MB/s: an input of millions of backslashes is written a
     # piece at a time on a worker thread (decision 0022), never by one encode on the loop.
-    loop_thread = threading.get_ident()
-    longest: list[int] = [0]
-
-    class Watched:
-        def encode(self, value: Any) -> bytes:
-            if threading.get_ident() == loop_thread and isinstance(value, dict):
-                longest[0] = max(
-                    [longest[0], *(len(v) for v in value.values() if isinstance(v, str))]
-                )
-            return msgspec.json.encode(value)
-
-    monkeypatch.setattr(strict_json, "_ENCODER", Watched())
+    watched = watch_encoders(monkeypatch, strict_json)
     lease = await _open(stub)
     subscription = stub.SubscribeToToolCalls(
         pb.SubscribeToToolCallsRequest(session_id=lease.session_id)
@@ -1430,4 +1418,4 @@ async def test_a_long_tool_input_is_encoded_off_the_loop(
             )
         )
     assert _texts(await _outcome(call)) == ["ok"]
-    assert longest[0] < 1024  # the long input never went through the loop's encoder
+    assert watched.longest < 1024  # the long input never went through the loop's encoder

@@ -11,7 +11,6 @@ client receives is what one encode gives, in the order the cell made it.
 from __future__ import annotations
 
 import json
-import threading
 from typing import Any, cast
 
 import msgspec
@@ -43,55 +42,21 @@ from codemode.protocol.v1.messages import (
 from codemode.runtime import LocalSessionProvider, pieces
 from codemode.runtime.cell import MAX_BUFFERED_OUTPUT_CHARS
 from tests.host.test_v1 import ECHO, serving
+from tests.loop_encodes import LoopEncodes, watch_encoders
 from tests.runtime.test_pieces import _JSON_VALUES, ALPHABET
 
 #: Longer than a piece; every character escapes to two bytes.
 LONG = "\\" * (3 * 1024 * 1024)
 
 
-def _longest_string(value: Any) -> int:
-    """The longest string a message holds (an already encoded ``msgspec.Raw`` holds none)."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, list | tuple):
-        return max(map(_longest_string, value), default=0)
-    if isinstance(value, dict):
-        return max((max(len(k), _longest_string(v)) for k, v in value.items()), default=0)
-    if isinstance(value, msgspec.Struct):
-        return max((_longest_string(getattr(value, f)) for f in value.__struct_fields__), default=0)
-    return 0
-
-
-class _Watched:
-    """The codec's encoder, noting the longest string of every message encoded on the loop."""
-
-    def __init__(self, loop_thread: int) -> None:
-        self.loop_thread = loop_thread
-        self.longest = 0
-
-    def _note(self, message: Any) -> None:
-        if threading.get_ident() == self.loop_thread:
-            self.longest = max(self.longest, _longest_string(message))
-
-    def encode(self, message: Any) -> bytes:
-        self._note(message)
-        return msgspec.json.encode(message)
-
-    def encode_into(self, message: Any, buffer: bytearray, offset: int) -> None:
-        self._note(message)
-        msgspec.json.Encoder().encode_into(message, buffer, offset)
-
-
 @pytest.fixture
-def watched(monkeypatch: pytest.MonkeyPatch) -> _Watched:
-    encoder = _Watched(threading.get_ident())
-    monkeypatch.setattr(codec, "_ENCODER", encoder)
-    return encoder
+def watched(monkeypatch: pytest.MonkeyPatch) -> LoopEncodes:
+    return watch_encoders(monkeypatch, codec)
 
 
 @pytest.mark.timeout(60)
 async def test_long_callbacks_and_items_are_encoded_off_the_loop_and_in_order(
-    provider: LocalSessionProvider, watched: _Watched
+    provider: LocalSessionProvider, watched: LoopEncodes
 ) -> None:
     source = (
         'const big = "\\\\".repeat(3 * 1024 * 1024);'
@@ -141,7 +106,7 @@ async def test_long_callbacks_and_items_are_encoded_off_the_loop_and_in_order(
 
 @pytest.mark.timeout(60)
 async def test_a_callback_measured_too_large_is_refused_with_its_frame_length(
-    provider: LocalSessionProvider, watched: _Watched
+    provider: LocalSessionProvider, watched: LoopEncodes
 ) -> None:
     # 40 Mi backslashes: 80 MiB of JSON, only counted once past the frame limit.
     source = (
@@ -183,7 +148,7 @@ def _invocation_with_input(invocation: Any, value: Any) -> Any:
 
 @pytest.mark.timeout(60)
 async def test_an_answer_measured_too_large_is_refused_with_its_frame_length(
-    provider: LocalSessionProvider, watched: _Watched
+    provider: LocalSessionProvider, watched: LoopEncodes
 ) -> None:
     source = "text('ok'); text('\\\\'.repeat(40 * 1024 * 1024));"
     async with serving(provider) as served:

@@ -10,7 +10,6 @@ result is written on a worker thread a piece at a time; the loop only copies it 
 from __future__ import annotations
 
 import math
-import threading
 from typing import Any, cast
 
 import msgspec
@@ -33,6 +32,7 @@ from codemode.protocol.v1 import codec
 from codemode.runtime import LocalSessionProvider, engine, pieces
 from codemode.runtime.engine import result_frame
 from codemode.session import CancellationToken, CodeModeSessionDelegate
+from tests.loop_encodes import watch_encoders
 from tests.runtime.test_pieces import _JSON_VALUES, ALPHABET
 
 BIG = ToolDefinition(
@@ -48,36 +48,6 @@ class _Answers(CodeModeSessionDelegate):
         self, invocation: CodeModeNestedToolCall, cancellation: CancellationToken
     ) -> JSON:
         return self.value
-
-
-class _Watched:
-    """The frame codec's encoder, noting the longest string of each message encoded on the
-    loop's thread (an already encoded ``msgspec.Raw`` holds none)."""
-
-    def __init__(self) -> None:
-        self.thread = threading.get_ident()
-        self.longest = 0
-
-    def _note(self, value: Any) -> None:
-        if threading.get_ident() != self.thread:
-            return
-        stack = [value]
-        while stack:
-            node = stack.pop()
-            if isinstance(node, str):
-                self.longest = max(self.longest, len(node))
-            elif isinstance(node, list | tuple):
-                stack.extend(node)
-            elif isinstance(node, dict):
-                stack.extend(node.values())
-
-    def encode(self, message: Any) -> bytes:
-        self._note(message)
-        return msgspec.json.encode(message)
-
-    def encode_into(self, message: Any, buffer: bytearray, offset: int) -> None:
-        self._note(message)
-        msgspec.json.Encoder().encode_into(message, buffer, offset)
 
 
 async def _run(provider: LocalSessionProvider, value: JSON, source: str) -> str:
@@ -100,8 +70,7 @@ async def _run(provider: LocalSessionProvider, value: JSON, source: str) -> str:
 async def test_a_long_result_reaches_its_cell_encoded_off_the_loop(
     provider: LocalSessionProvider, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    watched = _Watched()
-    monkeypatch.setattr(codec, "_ENCODER", watched)
+    watched = watch_encoders(monkeypatch, codec)
     value = {"s": '\\"\x01é😀' * 600_000, "n": [1, 2.5, None, True, "x"]}
     source = (
         "const r = await tools.big({});"

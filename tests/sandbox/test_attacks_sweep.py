@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import json
 import os
-import threading
 import time
 import tracemalloc
 from collections.abc import AsyncIterator
@@ -49,6 +48,7 @@ from codemode.runtime import pieces as pieces_module
 from codemode.runtime.cell import MAX_BUFFERED_OUTPUT_CHARS
 from codemode.runtime.engine import _HostProtocol
 from tests.contract.delegate import RecordingDelegate
+from tests.loop_encodes import watch_encoders
 from tests.runtime.test_engine_messages import Events, wired
 from tests.sandbox.conftest import start
 from tests.wire import frame
@@ -711,26 +711,7 @@ async def test_a_large_store_is_copied_to_a_fresh_engine_off_the_event_loop(
     # engine.py put_store_off_loop). Encoded on the event loop every session shares, one frame at
     # a time, four values of 33 M backslashes (within one session's bounds) held it for 2.3 s
     # whenever the session ran a cell after a pause of 30 s.
-    loop_thread = threading.get_ident()
-    on_the_loop: list[int] = []  # the size of each encoding made on the loop's thread
-
-    class Watched:
-        def __init__(self, encoder: Any) -> None:
-            self._encoder = encoder
-
-        def encode(self, message: Any) -> bytes:
-            out: bytes = self._encoder.encode(message)
-            if threading.get_ident() == loop_thread:
-                on_the_loop.append(len(out))
-            return out
-
-        def encode_into(self, message: Any, buffer: bytearray, offset: int) -> None:
-            self._encoder.encode_into(message, buffer, offset)
-            if threading.get_ident() == loop_thread:
-                on_the_loop.append(len(buffer) - offset)
-
-    monkeypatch.setattr(codec, "_ENCODER", Watched(codec._ENCODER))
-    monkeypatch.setattr(engine_module, "_ENCODER", Watched(engine_module._ENCODER))
+    on_the_loop = watch_encoders(monkeypatch, codec, engine_module).sizes
     value = f"{json.dumps(ESCAPED)}.repeat(400000)"  # 4 M characters, 21 M in its JSON text
     async with LocalSessionProvider(idle_engine_timeout=0.05) as quick:
         session = await quick.create_session(RecordingDelegate())
@@ -803,27 +784,7 @@ async def test_a_long_tool_result_is_encoded_off_the_event_loop(
     # hands back what the cell gave it (`echo`) let one cell have its escape-heavy text encoded
     # on the event loop every session shares, twice (the result's JSON, then that text as a
     # string in the frame): 40 M backslashes held it for 1.0 s per call.
-    loop_thread = threading.get_ident()
-    on_the_loop: list[int] = []  # the size of each encoding made on the loop's thread
-
-    class Watched:
-        def __init__(self, encoder: Any) -> None:
-            self._encoder = encoder
-
-        def encode(self, message: Any) -> bytes:
-            out: bytes = self._encoder.encode(message)
-            if threading.get_ident() == loop_thread:
-                on_the_loop.append(len(out))
-            return out
-
-        def encode_into(self, message: Any, buffer: bytearray, offset: int) -> None:
-            self._encoder.encode_into(message, buffer, offset)
-            if threading.get_ident() == loop_thread:
-                on_the_loop.append(len(buffer) - offset)
-
-    monkeypatch.setattr(codec, "_ENCODER", Watched(codec._ENCODER))
-    monkeypatch.setattr(engine_module, "_ENCODER", Watched(engine_module._ENCODER))
-    monkeypatch.setattr(delegation_module, "_ENCODER", Watched(delegation_module._ENCODER))
+    on_the_loop = watch_encoders(monkeypatch, codec, engine_module, delegation_module).sizes
     value = f"'{character}'.repeat(3e6)"
     async with LocalSessionProvider() as fresh:
         session = await fresh.create_session(RecordingDelegate())
