@@ -149,6 +149,16 @@ def _texts(outcome: pb.ExecutionOutcome) -> list[str]:
     return [item.text.text for item in outcome.content_items]
 
 
+async def _succeed(stub: Stub, lease: Lease, invocation_id: str, output_json: bytes) -> None:
+    await stub.CompleteToolCall(
+        pb.CompleteToolCallRequest(
+            session_id=lease.session_id,
+            invocation_id=invocation_id,
+            succeeded=pb.ToolCallSucceeded(output_json=output_json),
+        )
+    )
+
+
 async def _status(awaitable: Any) -> aio.AioRpcError:
     with pytest.raises(aio.AioRpcError) as raised:
         await awaitable
@@ -217,12 +227,8 @@ async def test_nested_tool_calls_are_sequenced_and_completed(stub: Stub) -> None
         value = json.loads(tool_call.input_json)
         assert value == {"value": expected}
         sequences.append(tool_call.sequence)
-        await stub.CompleteToolCall(
-            pb.CompleteToolCallRequest(
-                session_id=lease.session_id,
-                invocation_id=tool_call.invocation_id,
-                succeeded=pb.ToolCallSucceeded(output_json=json.dumps({"echo": expected}).encode()),
-            )
+        await _succeed(
+            stub, lease, tool_call.invocation_id, json.dumps({"echo": expected}).encode()
         )
         # Completing it again is a no-op answered OK (as upstream 0.171.0 answers it).
         await stub.CompleteToolCall(
@@ -309,13 +315,7 @@ async def test_invocation_without_subscription_waits_for_one(stub: Stub) -> None
         )
     )
     tool_call = await asyncio.wait_for(subscription.read(), 10)
-    await stub.CompleteToolCall(
-        pb.CompleteToolCallRequest(
-            session_id=lease.session_id,
-            invocation_id=tool_call.invocation_id,
-            succeeded=pb.ToolCallSucceeded(output_json=b"7"),
-        )
-    )
+    await _succeed(stub, lease, tool_call.invocation_id, b"7")
     assert _texts(await _outcome(call)) == ["7"]
     subscription.cancel()
 
@@ -657,13 +657,7 @@ async def test_yield_observation_ends_an_execute_early(stub: Stub) -> None:
         pb.YieldObservationRequest(session_id=lease.session_id, execution_id=execution_id)
     )
     # The cell went on: a later Wait sees what follows.
-    await stub.CompleteToolCall(
-        pb.CompleteToolCallRequest(
-            session_id=lease.session_id,
-            invocation_id=tool_call.invocation_id,
-            succeeded=pb.ToolCallSucceeded(output_json=b"{}"),
-        )
-    )
+    await _succeed(stub, lease, tool_call.invocation_id, b"{}")
     response = await stub.Wait(_wait(lease, started.cell_id, 30_000))
     assert response.live_cell.WhichOneof("outcome") == "completed"
     assert [item.text.text for item in response.live_cell.content_items] == ["b"]
@@ -961,13 +955,7 @@ async def test_answers_to_the_hosts_requests_are_not_in_flight_requests(
             )
         )
         tool_call = await asyncio.wait_for(subscription.read(), 10)
-        await stub.CompleteToolCall(
-            pb.CompleteToolCallRequest(
-                session_id=lease.session_id,
-                invocation_id=tool_call.invocation_id,
-                succeeded=pb.ToolCallSucceeded(output_json=b'{"ok":true}'),
-            )
-        )
+        await _succeed(stub, lease, tool_call.invocation_id, b'{"ok":true}')
         outcome = await _outcome(call)
         assert outcome.WhichOneof("outcome") == "completed"
         assert _texts(outcome) == ['{"ok":true}']
@@ -1114,13 +1102,7 @@ async def test_draining_reports_not_serving_and_waits_for_running_cells(
         error = await _status(stub.OpenSession(pb.OpenSessionRequest()).read())
         assert error.code() == grpc.StatusCode.UNAVAILABLE
         assert not draining.done()
-        await stub.CompleteToolCall(
-            pb.CompleteToolCallRequest(
-                session_id=lease.session_id,
-                invocation_id=tool_call.invocation_id,
-                succeeded=pb.ToolCallSucceeded(output_json=b"{}"),
-            )
-        )
+        await _succeed(stub, lease, tool_call.invocation_id, b"{}")
         assert _texts(await _outcome(call)) == ["drained"]
         await asyncio.wait_for(draining, 30)  # the last cell closed: well before the grace
     finally:
@@ -1410,12 +1392,6 @@ async def test_a_long_tool_input_is_encoded_off_the_loop(
         "tool-2": {"value": "\\" * (3 * 1024 * 1024), "n": [1, None]},
     }
     for tool_call in calls:
-        await stub.CompleteToolCall(
-            pb.CompleteToolCallRequest(
-                session_id=lease.session_id,
-                invocation_id=tool_call.invocation_id,
-                succeeded=pb.ToolCallSucceeded(output_json=b'"ok"'),
-            )
-        )
+        await _succeed(stub, lease, tool_call.invocation_id, b'"ok"')
     assert _texts(await _outcome(call)) == ["ok"]
     assert watched.longest < 1024  # the long input never went through the loop's encoder

@@ -10,7 +10,9 @@ client receives is what one encode gives, in the order the cell made it.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import msgspec
@@ -44,9 +46,21 @@ from codemode.runtime.cell import MAX_BUFFERED_OUTPUT_CHARS
 from tests.host.test_v1 import ECHO, serving
 from tests.loop_encodes import LoopEncodes, watch_encoders
 from tests.runtime.test_pieces import _JSON_VALUES, ALPHABET
+from tests.wire import RawClient
 
 #: Longer than a piece; every character escapes to two bytes.
 LONG = "\\" * (3 * 1024 * 1024)
+
+
+@contextlib.asynccontextmanager
+async def opened(provider: LocalSessionProvider) -> AsyncIterator[RawClient]:
+    """A raw client of a host served by ``provider``, with ``session-1`` open."""
+    async with serving(provider) as served:
+        client = served.client
+        client.timeout = 30  # frames of tens of MB, on a loaded machine
+        await client.handshake()
+        await client.open()
+        yield client
 
 
 @pytest.fixture
@@ -66,11 +80,7 @@ async def test_long_callbacks_and_items_are_encoded_off_the_loop_and_in_order(
         "await yield_control();"
         "text(big + 'x');"
     )
-    async with serving(provider) as served:
-        client = served.client
-        client.timeout = 30
-        await client.handshake()
-        await client.open()
+    async with opened(provider) as client:
         cell = await client.execute(2, source, tools=(ECHO,))
         first = await client.receive()
         second = await client.receive()
@@ -114,11 +124,7 @@ async def test_a_callback_measured_too_large_is_refused_with_its_frame_length(
         "try { await tools.echo(big); } catch (e) { text(String(e)); }"
         "try { await tools.echo('small'); } catch (e) { text('refused: ' + String(e)); }"
     )
-    async with serving(provider) as served:
-        client = served.client
-        client.timeout = 30
-        await client.handshake()
-        await client.open()
+    async with opened(provider) as client:
         await client.execute(2, source, tools=(ECHO,))
         call = await client.receive()
         assert isinstance(call, DelegateRequestMessage) and isinstance(call.request, ToolInvoke)
@@ -151,11 +157,7 @@ async def test_an_answer_measured_too_large_is_refused_with_its_frame_length(
     provider: LocalSessionProvider, watched: LoopEncodes
 ) -> None:
     source = "text('ok'); text('\\\\'.repeat(40 * 1024 * 1024));"
-    async with serving(provider) as served:
-        client = served.client
-        client.timeout = 30
-        await client.handshake()
-        await client.open()
+    async with opened(provider) as client:
         await client.execute(2, source)
         answer = await client.receive()
     assert isinstance(answer, ExecuteInitialResponse)
