@@ -13,7 +13,11 @@ from codemode.protocol import ExecuteRequest, InputText, Result, Yielded
 from codemode.protocol.types import LiveCell, WaitRequest
 from codemode.runtime import LocalSession, LocalSessionProvider, budget
 from codemode.runtime.budget import HeldCharacters, ResidentMemory, default_held_chars
-from codemode.runtime.session import DEFAULT_MAX_HELD_CHARS, MIN_HELD_CHARS
+from codemode.runtime.session import (
+    DEFAULT_MAX_HELD_CHARS,
+    DEFAULT_TOTAL_MEMORY_CAP_BYTES,
+    MIN_HELD_CHARS,
+)
 from tests.contract import helpers
 from tests.contract.delegate import RecordingDelegate
 
@@ -235,6 +239,19 @@ def test_resident_memory_names_the_engine_that_grew_the_most_since_it_was_within
     assert ResidentMemory(None).report(steady, 1 << 50) is None
     with pytest.raises(ValueError, match="total_memory_cap_bytes"):
         ResidentMemory(0)
+
+
+async def test_the_default_total_memory_cap_is_never_below_one_engines_cap() -> None:
+    big = DEFAULT_TOTAL_MEMORY_CAP_BYTES + (1 << 30)
+    async with LocalSessionProvider(memory_cap_bytes=big, warm_engines=0) as provider:
+        assert provider.pool.resident.limit == big
+    async with LocalSessionProvider(warm_engines=0) as provider:
+        assert provider.pool.resident.limit == DEFAULT_TOTAL_MEMORY_CAP_BYTES
+    # One given is the user's: it stays, even below an engine's cap.
+    async with LocalSessionProvider(
+        memory_cap_bytes=big, total_memory_cap_bytes=1 << 30, warm_engines=0
+    ) as provider:
+        assert provider.pool.resident.limit == 1 << 30
 
 
 #: A cell that makes ``MB`` megabytes resident (typed arrays, filled), then waits for ever.

@@ -419,8 +419,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="BYTES",
         help="resident memory of all engine processes together (past it the one that grew the "
         "most since they were within it is stopped "
-        "and its cells end, as at its own --memory-cap; default: half the machine's memory; "
-        "0: no bound)",
+        "and its cells end, as at its own --memory-cap; default: half the machine's memory, "
+        "never below --memory-cap; 0: no bound)",
     )
     host.add_argument(
         "--max-sessions",

@@ -770,8 +770,8 @@ class LocalSessionProvider(CodeModeSessionProvider):
     output not yet observed, tool inputs not yet answered; default: a quarter of the machine's
     memory, at least what one session may hold; ``None``: no bound), ``total_memory_cap_bytes``
     the resident memory of all its engine processes together (default: half the machine's
-    memory; past it the one that grew the most is stopped, its cells end; ``None``: no
-    bound). Close with :meth:`aclose`.
+    memory, never below ``memory_cap_bytes``; past it the one that grew the most is stopped,
+    its cells end; ``None``: no bound). Close with :meth:`aclose`.
     """
 
     def __init__(
@@ -800,6 +800,10 @@ class LocalSessionProvider(CodeModeSessionProvider):
         self.idle_engine_timeout = checked_seconds(
             "idle_engine_timeout", idle_engine_timeout, zero=True
         )
+        if total_memory_cap_bytes == DEFAULT_TOTAL_MEMORY_CAP_BYTES:
+            # The default is never below one engine's own cap, as documented: the built-in cap
+            # is its floor, and one given here raises it too.
+            total_memory_cap_bytes = max(total_memory_cap_bytes, memory_cap_bytes)
         resident = ResidentMemory(total_memory_cap_bytes)
         self.pool = EnginePool(
             size=warm_engines,
