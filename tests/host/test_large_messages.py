@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import msgspec
@@ -21,9 +23,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from codemode.host.grpc import _loads_in_pieces
+from codemode.host.v1 import V1HostConnection
 from codemode.protocol import strict_json
 from codemode.protocol.constants import MAX_FRAME_BYTES
 from codemode.protocol.v1 import codec
+from codemode.protocol.v1 import events as ev
+from codemode.protocol.v1 import host as host_machine
 from codemode.protocol.v1.messages import (
     DelegateRequestMessage,
     DelegateResponseMessage,
@@ -44,6 +49,8 @@ from codemode.protocol.v1.messages import (
 from codemode.runtime import LocalSessionProvider, pieces
 from codemode.runtime.cell import MAX_BUFFERED_OUTPUT_CHARS
 from tests.host.test_v1 import ECHO, serving
+from tests.host.test_websocket import S1, execute, listening, open_session, open_single, started
+from tests.host.test_websocket import result as ws_result
 from tests.loop_encodes import LoopEncodes, watch_encoders
 from tests.runtime.test_pieces import _JSON_VALUES, ALPHABET
 from tests.wire import RawClient
@@ -229,3 +236,117 @@ def test_no_parse_of_a_long_tool_output_handles_more_than_a_piece(
     assert _loads_in_pieces(msgspec.json.encode(value)) == value
     assert sizes and max(sizes) <= pieces.PIECE + 2
     assert parsed and max(parsed) < 1024
+
+
+# -- a client's large frames, decoded off the loop (decision 0025, last addendum) ---------------
+
+
+@dataclass
+class Decodes:
+    """The size of each decode call, by whether the event loop's thread made it."""
+
+    loop: int = field(default_factory=threading.get_ident)
+    on_loop: list[int] = field(default_factory=list)
+    elsewhere: list[int] = field(default_factory=list)
+
+    def note(self, data: Any) -> None:
+        (self.on_loop if threading.get_ident() == self.loop else self.elsewhere).append(len(data))
+
+
+class _WatchedDecoder:
+    def __init__(self, decoder: Any, record: Decodes) -> None:
+        self._decoder = decoder
+        self._record = record
+
+    def decode(self, data: Any) -> Any:
+        self._record.note(data)
+        return self._decoder.decode(data)
+
+
+@pytest.fixture
+def decodes(monkeypatch: pytest.MonkeyPatch) -> Decodes:
+    """Every decoder a client frame can meet, watched: the host machine's typed decoder, the
+    untyped one and jiter in the codec, and the pieces' string decoder."""
+    record = Decodes()
+    decoder = host_machine._APART_DECODER
+    monkeypatch.setattr(decoder, "_decoder", _WatchedDecoder(decoder._decoder, record))
+    monkeypatch.setattr(codec, "_ANY_DECODER", _WatchedDecoder(codec._ANY_DECODER, record))
+    monkeypatch.setattr(pieces, "_STRING", _WatchedDecoder(pieces._STRING, record))
+    loads_large = strict_json.loads_large
+
+    def watched_loads_large(data: bytes) -> Any:
+        record.note(data)
+        return loads_large(data)
+
+    monkeypatch.setattr(codec, "loads_large", watched_loads_large)
+    return record
+
+
+@pytest.fixture
+def resolved(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The ids of the callbacks a V1 host's glue saw answered, in order."""
+    ids: list[int] = []
+    apply = V1HostConnection._apply
+
+    def watched(self: V1HostConnection, event: Any) -> None:
+        if isinstance(event, ev.CallbackResolved):
+            ids.append(event.delegate_id)
+        apply(self, event)
+
+    monkeypatch.setattr(V1HostConnection, "_apply", watched)
+    return ids
+
+
+#: Two echoes at once; the text says what each returned.
+_TWO_CALLS = (
+    "const [a, b] = await Promise.all([tools.echo({n: 1}), tools.echo({n: 2})]);"
+    "text(a.length + ' ' + b);"
+)
+
+
+@pytest.mark.timeout(60)
+async def test_a_long_tool_result_is_decoded_off_the_loop_and_before_what_follows_it(
+    provider: LocalSessionProvider, decodes: Decodes, resolved: list[int]
+) -> None:
+    async with opened(provider) as client:
+        cell = await client.execute(2, _TWO_CALLS, tools=(ECHO,))
+        first, second = await client.receive(), await client.receive()
+        assert isinstance(first, DelegateRequestMessage)
+        assert isinstance(second, DelegateRequestMessage)
+        # One write: the small answer right behind the large one (6 MiB of JSON).
+        client.send(
+            DelegateResponseMessage(first.id, WireOk(ToolResult(LONG))),
+            DelegateResponseMessage(second.id, WireOk(ToolResult("small"))),
+        )
+        initial = await client.receive()
+        assert isinstance(initial, ExecuteInitialResponse), initial
+        assert isinstance(initial.result, WireOk)
+        assert initial.result.value.body.content_items == [WireInputText(f"{len(LONG)} small")]
+        assert initial.result.value.body.cell_id == cell
+    assert resolved == [first.id, second.id]
+    assert decodes.elsewhere  # the long result's pieces
+    assert max(decodes.on_loop) <= pieces.PIECE
+
+
+@pytest.mark.timeout(60)
+async def test_a_long_tool_result_over_websocket_is_decoded_off_the_loop_and_in_order(
+    provider: LocalSessionProvider, decodes: Decodes, resolved: list[int]
+) -> None:
+    async with listening(provider) as host:
+        control = await open_single(host.url)
+        await open_session(control, 1)
+        await control.send(execute(2, S1, _TWO_CALLS, [ECHO]))
+        cell = await started(control, 2)
+        first, second = await control.receive(), await control.receive()
+        assert isinstance(first, DelegateRequestMessage)
+        assert isinstance(second, DelegateRequestMessage)
+        await control.send(
+            DelegateResponseMessage(first.id, WireOk(ToolResult(LONG))),
+            DelegateResponseMessage(second.id, WireOk(ToolResult("small"))),
+        )
+        answer = await control.receive(timeout=30)
+        assert answer == ws_result(2, cell, f"{len(LONG)} small")
+        await control.close()
+    assert resolved == [first.id, second.id]
+    assert decodes.elsewhere
+    assert max(decodes.on_loop) <= pieces.PIECE

@@ -38,6 +38,7 @@ class Pump(Generic[E]):
         self.protocol = protocol
         self._apply = apply
         self._flushing = False
+        self._paused = False  # reading paused by pause(), and receive() not yet back since
         # A transport that pushes its reads (a pipe of our own) feeds the machine in the loop
         # iteration that read them; receive() then only reports the end, or a pause.
         self._pushing = transport if isinstance(transport, PushingTransport) else None
@@ -67,8 +68,9 @@ class Pump(Generic[E]):
         except (TransportError, OSError) as error:
             protocol.read_failed(describe(error))
         else:
+            paused, self._paused = self._paused, False
             if item is None:
-                return False
+                return paused  # after pause(), not the end: a real end is read again next time
             data, lane = item
             if transport.whole_frames:
                 protocol.receive_frame(data, lane)
@@ -76,6 +78,14 @@ class Pump(Generic[E]):
                 protocol.receive_data(data, lane)
         self.flush()
         return True
+
+    def pause(self) -> None:
+        """Read nothing more for now: a pushing transport stops reading, and the pending
+        :meth:`receive` returns (True); the next one reads again. The caller waits in between
+        (the machine takes nothing in while a frame is decoded apart)."""
+        if self._pushing is not None and self._pushing.pushes:
+            self._paused = True
+            self._pushing.pause_reading()
 
     async def drain(self) -> None:
         """Wait until the transport took what was written (a failure ends the connection)."""

@@ -29,10 +29,13 @@ from codemode.protocol.v1.revision import WireRevision, check_revision
 
 __all__ = [
     "EOF",
+    "LARGE_FRAME_BYTES",
     "NEED_DATA",
     "PREFIX_BYTES",
     "UPSTREAM_MAX_NESTING",
+    "DecodeApart",
     "FrameDecoder",
+    "LargePayload",
     "MessageDecoder",
     "PayloadDecoder",
     "RawPayloads",
@@ -63,6 +66,9 @@ _SQUARE: Final = bytes.maketrans(b"{}", b"[]")
 _RUNS: Final = re.compile(rb"\[+|\]+")
 # A large payload with fewer commas than one per this many bytes holds few values.
 _FEW_VALUES: Final = 32
+#: A payload this large may hold a long string literal (``codemode.runtime.pieces.LONG``): a
+#: host decodes such a client frame off its event loop (``MessageDecoder(apart_from=...)``).
+LARGE_FRAME_BYTES: Final = 1 << 20
 
 
 class _Sentinel:
@@ -137,7 +143,7 @@ class MessageDecoder(Generic[M]):
     refused so in any case.
     """
 
-    __slots__ = ("_decoder", "_max_depth", "_revision", "_type", "_typed")
+    __slots__ = ("_apart_from", "_decoder", "_max_depth", "_revision", "_type", "_typed")
 
     def __init__(
         self,
@@ -145,15 +151,18 @@ class MessageDecoder(Generic[M]):
         revision: WireRevision = WireRevision.PINNED,
         *,
         max_depth: int | None = None,
+        apart_from: int | None = None,
     ) -> None:
         self._type = wire_type
         self._typed = wire_type is not Any
         self._revision = WireRevision(revision)
         self._max_depth = max_depth
+        self._apart_from = apart_from
         self._decoder: msgspec.json.Decoder[M] = msgspec.json.Decoder(wire_type)
 
     def decode(self, data: bytes | bytearray, start: int = 0, end: int | None = None) -> M:
-        """Decode ``data[start:end]``."""
+        """Decode ``data[start:end]``. A decoder made with ``apart_from`` raises
+        :class:`DecodeApart` for a payload of that many bytes or more, instead of decoding it."""
         try:
             return self._decode(data, start, end)
         except RecursionError:
@@ -161,16 +170,23 @@ class MessageDecoder(Generic[M]):
 
     def _decode(self, data: bytes | bytearray, start: int, end: int | None) -> M:
         if end is None and start == 0 and type(data) is bytes:
-            payload: bytes | bytearray = data
+            if len(data) < LARGE_PAYLOAD_BYTES:
+                return self._decode_msgspec(data)
+            stop = len(data)
         else:
             stop = len(data) if end is None else end
-            if stop - start >= LARGE_PAYLOAD_BYTES:
-                payload = bytes(memoryview(data)[start:stop])
-            else:
+            if stop - start < LARGE_PAYLOAD_BYTES:
                 # Copying a small payload is cheaper than exporting a view of it.
-                payload = data[start:stop]
-        if len(payload) < LARGE_PAYLOAD_BYTES:
-            return self._decode_msgspec(payload)
+                return self._decode_msgspec(data[start:stop])
+        if self._apart_from is not None and stop - start >= self._apart_from:
+            raise DecodeApart(LargePayload(self, data, start, stop))
+        return self._decode_large_payload(data, start, stop)
+
+    def _decode_large_payload(self, data: bytes | bytearray, start: int, stop: int) -> M:
+        if start == 0 and stop == len(data) and type(data) is bytes:
+            payload: bytes | bytearray = data
+        else:
+            payload = bytes(memoryview(data)[start:stop])
         if not self._typed or payload.count(b",") < len(payload) // _FEW_VALUES:
             # Few values (mostly long strings): jiter's parse and a conversion of those few
             # objects beat a typed decode followed by a re-encoding for the duplicate-key check.
@@ -221,6 +237,55 @@ class MessageDecoder(Generic[M]):
                 raise FrameError(FrameErrorKind.INVALID_MESSAGE, _DECODE_PREFIX + detail)
         return message
 
+    def decode_apart(self, data: bytes | bytearray, start: int = 0, end: int | None = None) -> M:
+        """Decode ``data[start:end]`` as :meth:`decode` does, with the same result or the same
+        :class:`FrameError`, but never in one long C call where that can be helped: the long
+        string literals (:data:`codemode.runtime.pieces.LONG` bytes or more) are decoded a piece
+        at a time. Pure (for a worker thread, where the event loop gets the GIL between the
+        pieces); ``data[start:end]`` must not change meanwhile. A payload the pieces do not fit
+        (many values, no long literal, anything that fails) is decoded whole, as :meth:`decode`
+        decodes it."""
+        stop = len(data) if end is None else end
+        try:
+            message = self._in_pieces(data, start, stop)
+        except Exception:  # whatever is wrong with it, the whole decode says it in its words
+            message = None
+        if message is not None:
+            return message
+        try:
+            if stop - start < LARGE_PAYLOAD_BYTES:  # (an ``apart_from`` below it)
+                return self._decode_msgspec(data[start:stop])
+            return self._decode_large_payload(data, start, stop)
+        except RecursionError:
+            raise FrameError(FrameErrorKind.INVALID_JSON, _TOO_DEEP) from None
+
+    def _in_pieces(self, data: bytes | bytearray, start: int, stop: int) -> M | None:
+        """What :meth:`_decode_large` gives for ``data[start:stop]``, its long literals decoded a
+        piece at a time; ``None`` when the whole decode would take the typed path (many values)
+        or there is no long literal. Raises whatever goes wrong."""
+        # Imported here: the runtime package imports this module.
+        from codemode.runtime.pieces import PIECE, put_back, split
+
+        if self._typed:
+            # The whole decode's choice, made on the same count (a count per piece).
+            commas = sum(
+                data.count(b",", at, min(at + PIECE, stop)) for at in range(start, stop, PIECE)
+            )
+            if commas >= (stop - start) // _FEW_VALUES:
+                return None
+        parts = split(data, start, stop)
+        if not parts.spans:
+            return None
+        # The skeleton holds every key, number and short string of the text, and its nesting:
+        # parsed by jiter as the whole text would be. A long key put back that an object
+        # already has is a duplicate key.
+        value = put_back(loads_large(parts.skeleton), parts.strings(), unique=True)
+        self._check_depth(parts.skeleton)
+        if not self._typed:
+            return value  # type: ignore[no-any-return]
+        message: M = msgspec.convert(value, self._type)
+        return self._check_revision(message)
+
     def _decode_large(self, payload: bytes) -> M:
         # jiter checks duplicate keys while parsing and scans long strings far faster than a
         # parse followed by a second pass over the text would.
@@ -238,6 +303,41 @@ class MessageDecoder(Generic[M]):
                 FrameErrorKind.INVALID_MESSAGE, _DECODE_PREFIX + _validation_detail(error)
             ) from None
         return self._check_revision(message)
+
+
+class LargePayload(Generic[M]):
+    """A payload of ``apart_from`` bytes or more (:class:`MessageDecoder`), not decoded yet.
+
+    :meth:`decode` gives what :meth:`MessageDecoder.decode` would have given (or raises the same
+    :class:`FrameError`), by :meth:`MessageDecoder.decode_apart`: pure, for a worker thread.
+    ``data`` must not change until it returned."""
+
+    __slots__ = ("_decoder", "data", "end", "start")
+
+    def __init__(self, decoder: MessageDecoder[M], data: bytes | bytearray, start: int, end: int):
+        self._decoder = decoder
+        self.data = data
+        self.start = start
+        self.end = end
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def decode(self) -> M:
+        """The message, or :class:`FrameError`."""
+        return self._decoder.decode_apart(self.data, self.start, self.end)
+
+
+class DecodeApart(Exception):
+    """Raised by a :class:`MessageDecoder` made with ``apart_from`` (through
+    :class:`FrameDecoder` and :func:`decode_framed`, the frame consumed) instead of decoding a
+    large payload: ``payload`` is for its caller to decode elsewhere. Raising costs a small
+    frame nothing (an exception is free until raised); a returned marker would cost a check
+    per message."""
+
+    def __init__(self, payload: LargePayload[Any]) -> None:
+        super().__init__(len(payload))
+        self.payload = payload
 
 
 def _check_json(payload: bytes | bytearray) -> None:

@@ -6,18 +6,29 @@ for one WebSocket message, :meth:`receive_eof` at the end of a stream), then tak
 :meth:`events_received` to act on and :meth:`data_to_send` to write, each frame with the lane it
 must travel on. Decoding, lane enforcement and the first-failure-wins end of the connection
 happen here; what each message means is the subclass's business.
+
+An endpoint whose decoder was made with ``apart_from`` does not decode a frame that large: it
+hands the payload to its glue (:meth:`_large_frame`, an event of the subclass), and takes in
+nothing more until the glue gives back the message, or the :class:`FrameError` its decode raised,
+through :meth:`receive_decoded`. What arrives meanwhile is held, in order: frames are still
+taken one after the other, and the glue can decode the large one on a worker thread.
 """
 
 from __future__ import annotations
 
-from typing import Generic, TypeVar
+from collections import deque
+from collections.abc import Callable
+from functools import partial
+from typing import Any, Generic, TypeVar
 
-from codemode.errors import FrameError, RemoteProtocolError
+from codemode.errors import FrameError, LocalProtocolError, RemoteProtocolError
 from codemode.protocol.v1.codec import (
     EOF,
     NEED_DATA,
     PREFIX_BYTES,
+    DecodeApart,
     FrameDecoder,
+    LargePayload,
     MessageDecoder,
     decode_framed,
     encode_frame,
@@ -48,6 +59,10 @@ class Endpoint(Generic[In, Out, E]):
         self._events: list[E] = []
         self._dual = False
         self._ended = False
+        # The lane of a frame handed on to be decoded apart, until it comes back decoded; what
+        # the peer sent since, each call in order.
+        self._apart: Lane | None = None
+        self._held_input: deque[Callable[[], None]] = deque()
 
     # -- input --------------------------------------------------------------------------------
 
@@ -55,13 +70,17 @@ class Endpoint(Generic[In, Out, E]):
         """Bytes read from the byte stream of ``lane`` (any chunking)."""
         if self._ended:
             return
+        if self._apart is not None:
+            # The caller may reuse a mutable buffer.
+            self._hold(self.receive_data, data if isinstance(data, bytes) else bytes(data), lane)
+            return
         stream = self._streams[lane]
         stream.receive_data(data)
         self._drain_stream(stream, lane)
 
     def receive_eof(self, lane: Lane = Lane.CONTROL) -> None:
         """The stream of ``lane`` ended."""
-        if self._ended:
+        if self._ended or self._hold(self.receive_eof, lane):
             return
         stream = self._streams[lane]
         stream.receive_eof()
@@ -71,17 +90,65 @@ class Endpoint(Generic[In, Out, E]):
         """One WebSocket binary message, which must hold exactly one frame (§6.4)."""
         if self._ended:
             return
+        if self._apart is not None:
+            self._hold(self.receive_frame, buffer, lane)
+            return
         try:
             message = decode_framed(buffer, self._message_decoder)
         except FrameError as error:
             self._end(self._read_error(error.message))
             return
-        self.receive(message, lane)
+        except DecodeApart as apart:
+            self._hand_on(apart.payload, lane)
+            return
+        self._take(message, lane)
 
     def receive(self, message: In, lane: Lane = Lane.CONTROL) -> None:
         """One decoded message that arrived on ``lane``."""
-        if self._ended:
+        if self._ended or self._hold(self.receive, message, lane):
             return
+        self._take(message, lane)
+
+    def receive_decoded(self, decoded: In | FrameError) -> None:
+        """The frame handed on by :meth:`_large_frame`, decoded: its message, or the
+        :class:`FrameError` its decode raised (:meth:`LargePayload.decode`). What arrived since
+        is taken in after it (until another large frame is handed on)."""
+        lane = self._apart
+        if lane is None:
+            raise LocalProtocolError("no frame is being decoded apart")
+        self._apart = None
+        if self._ended:
+            self._held_input.clear()
+            return
+        if isinstance(decoded, FrameError):
+            self._end(self._read_error(decoded.message))
+            self._held_input.clear()
+            return
+        self._take(decoded, lane)
+        self._drain_stream(self._streams[lane], lane)  # the frames read with it
+        held = self._held_input
+        while held and self._apart is None and not self._ended:
+            held.popleft()()
+        if self._ended:
+            held.clear()
+
+    @property
+    def decoding_apart(self) -> bool:
+        """True while a frame handed on to be decoded apart has not come back."""
+        return self._apart is not None
+
+    def _hold(self, method: Callable[..., None], *args: Any) -> bool:
+        """While a frame is decoded apart, keep ``method(*args)`` for after it: True. Else False."""
+        if self._apart is None:
+            return False
+        self._held_input.append(partial(method, *args))
+        return True
+
+    def _hand_on(self, payload: LargePayload[Any], lane: Lane) -> None:
+        self._apart = lane
+        self._large_frame(payload)
+
+    def _take(self, message: In, lane: Lane) -> None:
         try:
             if self._dual and lane_of(message) is not lane:
                 raise RemoteProtocolError(self._wrong_lane(message_type(message), lane.value))
@@ -96,12 +163,15 @@ class Endpoint(Generic[In, Out, E]):
             except FrameError as error:
                 self._end(self._read_error(error.message))
                 return
+            except DecodeApart as apart:  # the bytes after it stay in the stream
+                self._hand_on(apart.payload, lane)
+                return
             if message is NEED_DATA:
                 return
             if message is EOF:
                 self._end(self._end_of_stream())
                 return
-            self.receive(message, lane)  # type: ignore[arg-type]
+            self._take(message, lane)  # type: ignore[arg-type]
 
     # -- output -------------------------------------------------------------------------------
 
@@ -163,6 +233,11 @@ class Endpoint(Generic[In, Out, E]):
     # -- subclass hooks -------------------------------------------------------------------------
 
     def _message(self, message: In) -> None:
+        raise NotImplementedError
+
+    def _large_frame(self, payload: LargePayload[Any]) -> None:
+        """Hand ``payload`` to the glue (an event), which decodes it and gives back the result
+        through :meth:`receive_decoded` (only with a decoder made with ``apart_from``)."""
         raise NotImplementedError
 
     def _end(self, reason: str | None) -> None:

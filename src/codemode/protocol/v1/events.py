@@ -9,7 +9,7 @@ messages: the glue acts on them without knowing the wire.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 from codemode.protocol.delegation import CallbackResult
 from codemode.protocol.types import (
@@ -21,6 +21,7 @@ from codemode.protocol.types import (
     WaitOutcome,
     WaitRequest,
 )
+from codemode.protocol.v1.codec import LargePayload
 from codemode.protocol.v1.handshake import Negotiated
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "HandshakeComplete",
     "HostEvent",
     "InitialResponse",
+    "LargeFrame",
     "NotificationCallback",
     "OpenSession",
     "OperationFailed",
@@ -257,6 +259,16 @@ class CallbackResolved:
     result: CallbackResult
 
 
+@dataclass(frozen=True, slots=True)
+class LargeFrame:
+    """A frame of the client's too large to decode here (``HostProtocol(large_frames_apart=True)``):
+    decode ``payload`` (:meth:`~codemode.protocol.v1.codec.LargePayload.decode`, on a worker
+    thread) and report the message or its ``FrameError`` with ``receive_decoded``. Until then the
+    machine takes in nothing more (what arrives is held): stop reading meanwhile."""
+
+    payload: LargePayload[Any]
+
+
 HostEvent: TypeAlias = (
     HandshakeComplete
     | OpenSession
@@ -266,5 +278,6 @@ HostEvent: TypeAlias = (
     | StartShutdown
     | CancelOperation
     | CallbackResolved
+    | LargeFrame
     | ConnectionEnded
 )

@@ -49,7 +49,9 @@ from codemode.protocol.v1 import events as ev
 from codemode.protocol.v1 import messages as wire
 from codemode.protocol.v1 import texts
 from codemode.protocol.v1.codec import (
+    LARGE_FRAME_BYTES,
     UPSTREAM_MAX_NESTING,
+    LargePayload,
     MessageDecoder,
 )
 from codemode.protocol.v1.conversions import (
@@ -71,6 +73,10 @@ __all__ = ["SESSION_CALLBACK_RESERVE", "HostProtocol"]
 #: A frame nested deeper than upstream's reader takes is a decode error (docs/interop.md).
 _DECODER: Final = MessageDecoder[wire.ClientToHost](
     wire.ClientToHost, max_depth=UPSTREAM_MAX_NESTING
+)
+#: The same, handing frames of LARGE_FRAME_BYTES or more on undecoded (``large_frames_apart``).
+_APART_DECODER: Final = MessageDecoder[wire.ClientToHost](
+    wire.ClientToHost, max_depth=UPSTREAM_MAX_NESTING, apart_from=LARGE_FRAME_BYTES
 )
 
 #: Unresolved-callback slots each session keeps for itself on a shared connection (a decision of
@@ -133,6 +139,10 @@ class HostProtocol(Endpoint[wire.ClientToHost, wire.HostToClient, ev.HostEvent])
     With ``wire_revision=latest`` runtime responses carry ``code_mode_host_duration_ns``,
     measured with ``clock`` from a request's arrival to its answer; with ``"auto"`` the client's
     hello chooses (:func:`~codemode.protocol.v1.revision.revision_for_hello`).
+
+    With ``large_frames_apart``, a frame of ``LARGE_FRAME_BYTES`` or more is not decoded here: it
+    comes out as :class:`~codemode.protocol.v1.events.LargeFrame`, for the glue to decode off
+    its event loop and report with :meth:`receive_decoded`.
     """
 
     def __init__(
@@ -145,8 +155,9 @@ class HostProtocol(Endpoint[wire.ClientToHost, wire.HostToClient, ev.HostEvent])
         new_token: Callable[[], str] = lambda: secrets.token_urlsafe(24),
         clock: Callable[[], int] = time.monotonic_ns,
         ordered_refusals: bool = False,
+        large_frames_apart: bool = False,
     ) -> None:
-        super().__init__(_DECODER)
+        super().__init__(_APART_DECODER if large_frames_apart else _DECODER)
         self._capabilities = frozenset(capabilities)
         # "auto": the hello decides (revision_for_hello); until then, pinned.
         self._auto = wire_revision == AUTO_REVISION
@@ -733,16 +744,19 @@ class HostProtocol(Endpoint[wire.ClientToHost, wire.HostToClient, ev.HostEvent])
         self._stopped = True
 
     def read_failed(self, detail: str) -> None:
-        """Reading from the client failed (L1 before the hello, else L2)."""
-        self._end(self._read_error(detail))
+        """Reading from the client failed (L1 before the hello, else L2); after the frames read
+        before (one being decoded apart)."""
+        if not self._hold(self.read_failed, detail):
+            self._end(self._read_error(detail))
 
     def write_failed(self, detail: str) -> None:
         """Writing to the client failed."""
         self._end(texts.client_write_failed(detail))
 
     def text_received(self) -> None:
-        """The client sent a text WebSocket message (L8)."""
-        self._end(texts.CLIENT_SENT_TEXT)
+        """The client sent a text WebSocket message (L8), after the frames read before."""
+        if not self._hold(self.text_received):
+            self._end(texts.CLIENT_SENT_TEXT)
 
     def bulk_not_established(self) -> None:
         """The bulk socket of a dual connection did not connect in time (L9)."""
@@ -765,6 +779,9 @@ class HostProtocol(Endpoint[wire.ClientToHost, wire.HostToClient, ev.HostEvent])
         self._callbacks.clear()
         self._in_grace.clear()
         self._emit(ev.ConnectionEnded(reason, requests))
+
+    def _large_frame(self, payload: LargePayload[Any]) -> None:
+        self._emit(ev.LargeFrame(payload))
 
     def _read_error(self, detail: str) -> str:
         if not self._greeted:
