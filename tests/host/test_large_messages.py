@@ -3,7 +3,7 @@
 msgspec holds the GIL through one call and writes text JSON escapes at 250-500 MB/s: a tool input,
 notification or output item of tens of millions of backslashes held the loop every session of a
 host shares for half a second while its frame was encoded. Such a callback or answer is encoded
-on a worker thread, a piece at a time (:func:`codemode.runtime.pieces.encode`), and reaches the
+on a worker thread, a piece at a time (:func:`codemode.protocol.pieces.encode`), and reaches the
 loop's encoder as ``msgspec.Raw``: no string the loop encodes is longer than a piece. What the
 client receives is what one encode gives, in the order the cell made it.
 """
@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from codemode.host.grpc import _loads_in_pieces
 from codemode.host.v1 import V1HostConnection
-from codemode.protocol import strict_json
+from codemode.protocol import pieces, strict_json
 from codemode.protocol.constants import MAX_FRAME_BYTES
 from codemode.protocol.v1 import codec
 from codemode.protocol.v1 import events as ev
@@ -46,13 +46,13 @@ from codemode.protocol.v1.messages import (
     WireRuntimeResponse,
     WireWaitRequest,
 )
-from codemode.runtime import LocalSessionProvider, pieces
+from codemode.runtime import LocalSessionProvider
 from codemode.runtime.cell import MAX_BUFFERED_OUTPUT_CHARS
 from tests.host.test_v1 import ECHO, serving
 from tests.host.test_websocket import S1, execute, listening, open_session, open_single, started
 from tests.host.test_websocket import result as ws_result
 from tests.loop_encodes import LoopEncodes, watch_encoders
-from tests.runtime.test_pieces import _JSON_VALUES, ALPHABET
+from tests.protocol.test_pieces import _JSON_VALUES, ALPHABET
 from tests.wire import RawClient
 
 #: Longer than a piece; every character escapes to two bytes.

@@ -26,14 +26,15 @@ from codemode.protocol import (
     Result,
     ToolDefinition,
     ToolName,
+    pieces,
 )
 from codemode.protocol.delegation import tool_result_json
 from codemode.protocol.v1 import codec
-from codemode.runtime import LocalSessionProvider, engine, pieces
+from codemode.runtime import LocalSessionProvider, engine
 from codemode.runtime.engine import result_frame
 from codemode.session import CancellationToken, CodeModeSessionDelegate
 from tests.loop_encodes import watch_encoders
-from tests.runtime.test_pieces import _JSON_VALUES, ALPHABET
+from tests.protocol.test_pieces import _JSON_VALUES, ALPHABET
 
 BIG = ToolDefinition(
     name="big", tool_name=ToolName("big"), description="d", input_schema={"type": "object"}

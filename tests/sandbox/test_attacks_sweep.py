@@ -39,12 +39,12 @@ from codemode.protocol import (
     Yielded,
 )
 from codemode.protocol import delegation as delegation_module
+from codemode.protocol import pieces as pieces_module
 from codemode.protocol.types import ImageDetail
 from codemode.protocol.v1 import codec
 from codemode.runtime import LocalSession, LocalSessionProvider
 from codemode.runtime import cell as cell_module
 from codemode.runtime import engine as engine_module
-from codemode.runtime import pieces as pieces_module
 from codemode.runtime.cell import MAX_BUFFERED_OUTPUT_CHARS
 from codemode.runtime.engine import _HostProtocol
 from tests.contract.delegate import RecordingDelegate
@@ -742,7 +742,7 @@ async def test_no_decode_of_a_long_escaped_string_is_one_call(
     monkeypatch: pytest.MonkeyPatch, source: str, check: str
 ) -> None:
     # Guards: the engine's long strings are decoded a piece at a time (engine.py
-    # _decoded_large, runtime/pieces.py), and a long tool input or long store writes travel as
+    # _decoded_large, protocol/pieces.py), and a long tool input or long store writes travel as
     # JSON values, escaped once (host.js Spliced). msgspec holds the GIL through one call and
     # decodes escaped text at 250-500 MB/s: one frame of 63 M backslashes held the event loop
     # every session shares for 1.2 s, on a worker thread as much as on the loop.

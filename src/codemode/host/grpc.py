@@ -52,7 +52,7 @@ from codemode.errors import CodeModeError, EngineLimitError, WireConversionError
 from codemode.grpc_stubs import v1_pb2_grpc
 from codemode.host.address import MIN_CLIENT_PING_INTERVAL, bracketed, split_listen_url
 from codemode.host.auth import bearer_token_matches
-from codemode.protocol import strict_json
+from codemode.protocol import pieces, strict_json
 from codemode.protocol.constants import (
     CALLBACK_GRACE,
     DEFAULT_MAX_ACTIVE_CELLS,
@@ -81,7 +81,6 @@ from codemode.protocol.types import (
     CodeModeSessionCellExecutionLimits,
     WaitOutcome,
 )
-from codemode.runtime import pieces
 from codemode.session import (
     CancellationToken,
     CodeModeSession,

@@ -22,6 +22,7 @@ from typing import Any, Final, Literal, TypeVar, cast
 import msgspec
 
 from codemode.errors import CodeModeError, FrameError, FrameErrorKind
+from codemode.protocol import pieces
 from codemode.protocol.constants import (
     BULK_PAIRING_TIMEOUT,
     CALLBACK_GRACE,
@@ -44,11 +45,8 @@ from codemode.protocol.types import (
 )
 from codemode.protocol.v1 import events as ev
 from codemode.protocol.v1 import texts
-from codemode.protocol.v1.codec import LargePayload
 from codemode.protocol.v1.host import HostProtocol
-from codemode.protocol.v1.messages import ClientToHost
 from codemode.protocol.v1.revision import WireRevision
-from codemode.runtime import pieces
 from codemode.session import (
     CancellationToken,
     CodeModeSession,
@@ -450,7 +448,7 @@ class V1HostConnection:
             self._ended(event)
         elif isinstance(event, ev.LargeFrame):
             self._pump.pause()
-            self._decoding = asyncio.ensure_future(self._decode_apart(event.payload))
+            self._decoding = asyncio.ensure_future(self._decode_apart(event))
         elif event.negotiated.dual_websocket:  # HandshakeComplete
             token = event.negotiated.bulk_connection_token
             assert token is not None
@@ -458,13 +456,12 @@ class V1HostConnection:
             self._background.add(pairing)
             pairing.add_done_callback(self._background.discard)
 
-    async def _decode_apart(self, payload: LargePayload[ClientToHost]) -> None:
+    async def _decode_apart(self, event: ev.LargeFrame) -> None:
         """Decode a large frame of the client's on a worker thread, its long strings a piece at
         a time: one decode on the loop held every connection of this host for as long (66 MB of
         backslashes: 0.25-0.4 s). The machine holds what arrived meanwhile."""
-        decoded: ClientToHost | FrameError
         try:
-            decoded = await asyncio.to_thread(payload.decode)
+            decoded = await asyncio.to_thread(event.payload.decode)
         except FrameError as error:
             decoded = error
         except Exception as error:  # not the frame's fault (MemoryError): reading it failed

@@ -22,6 +22,7 @@ from codemode.errors import CodeModeError
 from codemode.protocol.constants import CALLBACK_GRACE, MAX_PENDING_DELEGATE_CALLS
 from codemode.protocol.delegation import CallbackFailed, CallbackResult, tool_result_json
 from codemode.protocol.identifiers import normalize_identifier
+from codemode.protocol.pieces import heavy, put_back, split
 from codemode.protocol.strict_json import collector_paused
 from codemode.protocol.texts import (
     EXEC_RUNTIME_ENDED_UNEXPECTEDLY,
@@ -45,7 +46,6 @@ from codemode.protocol.types import (
     Yielded,
 )
 from codemode.runtime.engine import THREAD_CHARS, NodeEngine, outside_strings, result_frame
-from codemode.runtime.pieces import heavy, put_back, split
 from codemode.session import CancellationToken, cell_context, run_in, serve_callback
 
 if TYPE_CHECKING:
@@ -191,7 +191,7 @@ def _counted_input(
 ) -> tuple[tuple[int, int], Any]:
     """A large tool input's counts (:func:`_json_counts`) and, when they are within the rooms,
     its value (:data:`_NOT_JSON`: malformed), on a worker thread: its long strings are decoded a
-    piece at a time (:mod:`codemode.runtime.pieces`; ``strings``: they were, and ``text`` holds
+    piece at a time (:mod:`codemode.protocol.pieces`; ``strings``: they were, and ``text`` holds
     their placeholders), each a C call of its own, and counted as one value each. Decoded whole,
     one of 63 M backslashes (126 M characters of JSON) held the event loop every session shares
     for 0.5 s."""

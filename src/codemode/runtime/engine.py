@@ -25,6 +25,7 @@ from typing import Annotated, Any, Final, Literal, Protocol
 import msgspec
 
 from codemode.errors import CodeModeError, FrameError, FrameErrorKind
+from codemode.protocol.pieces import LONG, encode, split
 from codemode.protocol.strict_json import non_finite_number
 from codemode.protocol.surrogates import well_formed
 from codemode.protocol.texts import delegate_result_not_json
@@ -32,7 +33,6 @@ from codemode.protocol.types import ContentItem, ImageDetail, InputAudio, InputI
 from codemode.protocol.v1.codec import NEED_DATA, FrameDecoder, encode_frame
 from codemode.runtime.budget import ResidentMemory
 from codemode.runtime.confinement import ConfinementReport
-from codemode.runtime.pieces import LONG, encode, split
 from codemode.spawning import child_preexec
 
 __all__ = ["DEFAULT_MEMORY_CAP_BYTES", "CellEvents", "EngineBreach", "NodeEngine", "find_node"]
@@ -109,7 +109,7 @@ class CellEvents(Protocol):
         self, call_id: str, tool: int, input_json: str | None, strings: dict[str, str] | None = None
     ) -> asyncio.Future[None] | None:
         """``strings``: the long strings of an input that came in pieces, whose ``input_json``
-        holds a placeholder for each (:mod:`codemode.runtime.pieces`)."""
+        holds a placeholder for each (:mod:`codemode.protocol.pieces`)."""
 
     def on_notify(self, text: str) -> None: ...
     def on_yield(self, turn: int) -> None: ...
@@ -281,7 +281,7 @@ class _Large:
 
 
 #: From this many bytes on, a frame is decoded on a worker thread, its long strings a piece at a
-#: time (:mod:`codemode.runtime.pieces`): msgspec decodes text that JSON escapes at 250-500 MB/s,
+#: time (:mod:`codemode.protocol.pieces`): msgspec decodes text that JSON escapes at 250-500 MB/s,
 #: and one string of 63 M backslashes (252 MB in a frame) held the event loop every session
 #: shares for a second. host.js sends every message of a long string in a frame of its own.
 LARGE_FRAME_BYTES: Final = LONG
@@ -1161,7 +1161,7 @@ def _decoded_writes(
 ) -> list[tuple[str, str]] | None:
     """A ``done``'s store writes, decoded (malformed: a breach), or ``None`` when they hold more
     entries than host.js lets out (counted before anything is decoded). Long keys and values are
-    decoded a piece at a time (:mod:`codemode.runtime.pieces`; ``strings``: they were, and
+    decoded a piece at a time (:mod:`codemode.protocol.pieces`; ``strings``: they were, and
     ``text`` holds their placeholders): a value's JSON text travels escaped, and 33 M
     backslashes took one call of 0.5 s."""
     try:

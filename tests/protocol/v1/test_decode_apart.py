@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from codemode.errors import FrameError, FrameErrorKind, LocalProtocolError
-from codemode.protocol import strict_json
+from codemode.protocol import pieces, strict_json
 from codemode.protocol.v1 import codec
 from codemode.protocol.v1 import events as ev
 from codemode.protocol.v1.codec import (
@@ -41,8 +41,7 @@ from codemode.protocol.v1.messages import (
     WireExecuteRequest,
     WireOk,
 )
-from codemode.runtime import pieces
-from tests.runtime.test_pieces import ALPHABET
+from tests.protocol.test_pieces import ALPHABET
 from tests.wire import HELLO, frame
 
 HOST_DECODER = MessageDecoder[Any](ClientToHost, max_depth=UPSTREAM_MAX_NESTING)
@@ -51,7 +50,7 @@ ANY_DECODER = MessageDecoder[Any](max_depth=UPSTREAM_MAX_NESTING)
 
 @pytest.fixture
 def small(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Pieces of 16 units, literals of 40 or more (as tests/runtime/test_pieces.py); every payload
+    # Pieces of 16 units, literals of 40 or more (as tests/protocol/test_pieces.py); every payload
     # takes the large payloads' path, as a frame of LARGE_FRAME_BYTES does.
     monkeypatch.setattr(pieces, "PIECE", 16)
     monkeypatch.setattr(pieces, "LONG", 40)

@@ -15,6 +15,7 @@ from typing import Any, Final, Generic, Protocol, TypeVar
 import msgspec
 
 from codemode.errors import FrameError, FrameErrorKind
+from codemode.protocol import pieces
 from codemode.protocol.constants import MAX_FRAME_BYTES
 from codemode.protocol.strict_json import (
     LARGE_PAYLOAD_BYTES,
@@ -66,9 +67,9 @@ _SQUARE: Final = bytes.maketrans(b"{}", b"[]")
 _RUNS: Final = re.compile(rb"\[+|\]+")
 # A large payload with fewer commas than one per this many bytes holds few values.
 _FEW_VALUES: Final = 32
-#: A payload this large may hold a long string literal (``codemode.runtime.pieces.LONG``): a
-#: host decodes such a client frame off its event loop (``MessageDecoder(apart_from=...)``).
-LARGE_FRAME_BYTES: Final = 1 << 20
+#: A payload this large may hold a long string literal: a host decodes such a client frame off
+#: its event loop (``MessageDecoder(apart_from=...)``).
+LARGE_FRAME_BYTES: Final = pieces.LONG
 
 
 class _Sentinel:
@@ -240,7 +241,7 @@ class MessageDecoder(Generic[M]):
     def decode_apart(self, data: bytes | bytearray, start: int = 0, end: int | None = None) -> M:
         """Decode ``data[start:end]`` as :meth:`decode` does, with the same result or the same
         :class:`FrameError`, but never in one long C call where that can be helped: the long
-        string literals (:data:`codemode.runtime.pieces.LONG` bytes or more) are decoded a piece
+        string literals (:data:`codemode.protocol.pieces.LONG` bytes or more) are decoded a piece
         at a time. Pure (for a worker thread, where the event loop gets the GIL between the
         pieces); ``data[start:end]`` must not change meanwhile. A payload the pieces do not fit
         (many values, no long literal, anything that fails) is decoded whole, as :meth:`decode`
@@ -263,9 +264,7 @@ class MessageDecoder(Generic[M]):
         """What :meth:`_decode_large` gives for ``data[start:stop]``, its long literals decoded a
         piece at a time; ``None`` when the whole decode would take the typed path (many values)
         or there is no long literal. Raises whatever goes wrong."""
-        # Imported here: the runtime package imports this module.
-        from codemode.runtime.pieces import PIECE, put_back, split
-
+        PIECE = pieces.PIECE
         if self._typed:
             # The whole decode's choice, made on the same count (a count per piece).
             commas = sum(
@@ -273,13 +272,13 @@ class MessageDecoder(Generic[M]):
             )
             if commas >= (stop - start) // _FEW_VALUES:
                 return None
-        parts = split(data, start, stop)
+        parts = pieces.split(data, start, stop)
         if not parts.spans:
             return None
         # The skeleton holds every key, number and short string of the text, and its nesting:
         # parsed by jiter as the whole text would be. A long key put back that an object
         # already has is a duplicate key.
-        value = put_back(loads_large(parts.skeleton), parts.strings(), unique=True)
+        value = pieces.put_back(loads_large(parts.skeleton), parts.strings(), unique=True)
         self._check_depth(parts.skeleton)
         if not self._typed:
             return value  # type: ignore[no-any-return]

@@ -196,7 +196,7 @@ class Endpoint(Generic[In, Out, E]):
         cannot be written (nothing is queued then).
 
         ``excess``: the bytes the message lacks. The glue measured some of its values elsewhere
-        (:func:`codemode.runtime.pieces.encode`), found them too large for a frame and kept
+        (:func:`codemode.protocol.pieces.encode`), found them too large for a frame and kept
         none of them; each stands in as a shorter ``msgspec.Raw``. The frame is then refused
         with the length it would have had."""
         frame = encode_frame(message)

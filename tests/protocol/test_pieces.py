@@ -2,7 +2,7 @@
 
 msgspec holds the GIL through one call and decodes text that JSON escapes at 250-500 MB/s: one
 engine frame of 63 M backslashes held the event loop every session shares for a second, on a
-worker thread as much as on the loop. :mod:`codemode.runtime.pieces` finds a JSON text's long
+worker thread as much as on the loop. :mod:`codemode.protocol.pieces` finds a JSON text's long
 string literals and decodes them in pieces; what it gives must be exactly what one decode gives,
 and what is not JSON must fail as one decode fails.
 """
@@ -20,9 +20,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from codemode.protocol import InputText
+from codemode.protocol import InputText, pieces
 from codemode.runtime import engine as engine_module
-from codemode.runtime import pieces
 from codemode.runtime.engine import _HostProtocol
 from tests.runtime.test_engine_messages import wired
 from tests.wire import frame
