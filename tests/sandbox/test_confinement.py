@@ -58,6 +58,8 @@ DENIED_BY: dict[str, frozenset[str]] = {
         ),
         frozenset({"node-permission", "landlock-fs"}),
     ),
+    # Landlock (ABI <= 7) governs no metadata: seccomp refuses chmod and utimensat themselves.
+    **dict.fromkeys(("chmod_secret", "utimes_secret"), frozenset({"node-permission", "seccomp"})),
     # Landlock denies executing /bin/sh; seccomp denies the fork before it.
     **dict.fromkeys(
         ("spawn_sync", "exec_file_sync", "raw_spawn"),
@@ -65,6 +67,7 @@ DENIED_BY: dict[str, frozenset[str]] = {
     ),
     "worker": frozenset({"node-permission"}),  # a thread: no power the process lacks
     "kill_parent": frozenset({"landlock-scope"}),
+    "renice_other": frozenset({"seccomp"}),  # Node's permission model lets os.setPriority through
     **dict.fromkeys(
         ("tcp_connect", "tcp_socket", "tcp_bind"), frozenset({"landlock-net", "seccomp"})
     ),
@@ -96,6 +99,7 @@ class Scene:
     abstract: socket.socket
     abstract_name: str
     signals: list[int]
+    victim: subprocess.Popen[bytes]
 
     @property
     def read_paths(self) -> list[Path]:
@@ -112,6 +116,7 @@ class Scene:
                 "udpPort": self.udp.getsockname()[1],
                 "unixPath": str(self.tmp / "unix.sock"),
                 "abstractName": self.abstract_name,
+                "victim": self.victim.pid,
             }
         )
 
@@ -165,6 +170,18 @@ class Scene:
         effects = {name: file.exists() for name, file in files.items()}
         for file in files.values():
             file.unlink(missing_ok=True)
+        secret = self.secret.stat()
+        effects |= {
+            "chmod_secret": secret.st_mode & 0o777 != SECRET_MODE,
+            "utimes_secret": secret.st_mtime < SECRET_MTIME,
+        }
+        self.secret.chmod(SECRET_MODE)
+        os.utime(self.secret, (SECRET_MTIME, SECRET_MTIME))
+        effects["renice_other"] = os.getpriority(os.PRIO_PROCESS, self.victim.pid) != 0
+        if effects["renice_other"]:  # a nice value cannot be lowered without privileges
+            self.victim.kill()
+            self.victim.wait()
+            self.victim = start_victim()
         effects |= {
             "tcp_connect": self.accepted(self.tcp),
             "udp_send": self.received(),
@@ -185,6 +202,17 @@ class Scene:
         assert not succeeded and not traces, (succeeded, traces, outcomes)
 
 
+SECRET_MODE = 0o600
+SECRET_MTIME = 2_000_000_000
+
+
+def start_victim() -> subprocess.Popen[bytes]:
+    """Another process of this user, at nice 0, that the escaped script must not reach."""
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    os.setpriority(os.PRIO_PROCESS, victim.pid, 0)
+    return victim
+
+
 @pytest.fixture
 def scene(tmp_path: Path) -> Iterator[Scene]:
     allowed = tmp_path / "allowed"
@@ -193,6 +221,8 @@ def scene(tmp_path: Path) -> Iterator[Scene]:
     cwd.mkdir()
     secret = tmp_path / "secret.txt"
     secret.write_text("the secret")
+    secret.chmod(SECRET_MODE)
+    os.utime(secret, (SECRET_MTIME, SECRET_MTIME))
     signals: list[int] = []
 
     def record(signum: int, frame: FrameType | None) -> None:
@@ -209,21 +239,25 @@ def scene(tmp_path: Path) -> Iterator[Scene]:
     abstract = socket.socket(socket.AF_UNIX)
     abstract.bind(f"\0{abstract_name}")
     abstract.listen()
+    scene = Scene(
+        tmp_path,
+        allowed,
+        cwd,
+        secret,
+        tmp_path / "marker",
+        tcp,
+        udp,
+        unix,
+        abstract,
+        abstract_name,
+        signals,
+        start_victim(),
+    )
     try:
-        yield Scene(
-            tmp_path,
-            allowed,
-            cwd,
-            secret,
-            tmp_path / "marker",
-            tcp,
-            udp,
-            unix,
-            abstract,
-            abstract_name,
-            signals,
-        )
+        yield scene
     finally:
+        scene.victim.kill()
+        scene.victim.wait()
         for listener in (tcp, udp, unix, abstract):
             listener.close()
         signal.signal(signal.SIGUSR2, previous)
@@ -295,20 +329,45 @@ def test_pathname_unix_sockets_are_closed_only_on_request(scene: Scene) -> None:
 
 SYSCALL_PROBE = textwrap.dedent(
     """
-    import ctypes, json, os, socket, sys, threading
+    import ctypes, fcntl, json, mmap, os, platform, socket, sys, threading
     from pathlib import Path
     from codemode.runtime import confinement
 
     nr = confinement._arch().nr
+    # The numbers of the calls the filter checks by their arguments, or that only the probe
+    # makes, from the kernel's tables rather than the module's.
+    nr |= {
+        "x86_64": {
+            "fchmod": 91, "fchown": 93, "ioctl": 16, "fcntl": 72, "madvise": 28,
+            "setpriority": 141, "sched_getaffinity": 204, "sched_setaffinity": 203,
+            "sched_setscheduler": 144, "ioprio_get": 252, "ioprio_set": 251, "prlimit64": 302,
+            "memfd_create": 319, "shmget": 29, "shmctl": 31, "msgget": 68, "msgctl": 71,
+        },
+        "aarch64": {
+            "fchmod": 52, "fchown": 55, "ioctl": 29, "fcntl": 25, "madvise": 233,
+            "setpriority": 140, "sched_getaffinity": 123, "sched_setaffinity": 122,
+            "sched_setscheduler": 119, "ioprio_get": 31, "ioprio_set": 30, "prlimit64": 261,
+            "memfd_create": 279, "shmget": 194, "shmctl": 195, "msgget": 186, "msgctl": 187,
+        },
+    }[platform.machine()]
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
+    # A file this process owns, opened for reading only before it confines itself: it stands
+    # for the libraries and scripts an engine may read.
+    readable = os.open(sys.argv[1], os.O_RDONLY)
+    flags = ctypes.c_long(0)
+    fcntl.ioctl(readable, 0x80086601, flags)  # FS_IOC_GETFLAGS; set back unchanged below
+    mode = os.stat(readable).st_mode & 0o777
+    read_end, write_end = os.pipe()
+    mapping = mmap.mmap(-1, 4096)
     confine = confinement.preexec([], [Path(sys.executable)])
     confine()  # the same calls as before an exec, on this very process
     results = {}
 
     def call(name, number, *args):
         result = libc.syscall(ctypes.c_long(number), *(ctypes.c_long(a) for a in args))
-        results[name] = "ok" if result >= 0 else os.strerror(ctypes.get_errno())
+        results[name] = f"ok {result}" if result >= 0 else os.strerror(ctypes.get_errno())
+        return result
 
     def attempt(name, action):
         try:
@@ -347,19 +406,49 @@ SYSCALL_PROBE = textwrap.dedent(
     call("init_module", nr["init_module"], 0, 0, 0)
     call("kexec_load", nr["kexec_load"], 0, 0, 0, 0)
     call("reboot", nr["reboot"], 0, 0, 0, 0)  # wrong magic: EINVAL even unfiltered
+    # Each of these changes nothing here, so that it is harmless should the filter let it by.
+    call("fchmod", nr["fchmod"], readable, mode)
+    call("fchown", nr["fchown"], readable, -1, -1)
+    attempt("utime", lambda: os.utime(readable, ns=(os.stat(readable).st_atime_ns,) * 2))
+    attempt("setxattr", lambda: os.setxattr(readable, "user.codemode", b"", os.XATTR_REPLACE))
+    attempt("inotify_add_watch", lambda: libc.inotify_add_watch(libc.inotify_init1(0), b"/", 0x100) >= 0 or (_ for _ in ()).throw(OSError(ctypes.get_errno(), "")))
+    call("ioctl_setflags", nr["ioctl"], readable, 0x40086602, ctypes.addressof(flags))
+    call("ioctl_fionbio", nr["ioctl"], write_end, 0x5421, ctypes.addressof(ctypes.c_int(0)))
+    call("fcntl_setlease", nr["fcntl"], readable, 1024, 2)  # F_UNLCK
+    call("fcntl_setpipe_sz", nr["fcntl"], write_end, 1031, 65536)
+    call("fcntl_getfl", nr["fcntl"], write_end, 3)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    call("madvise_hwpoison", nr["madvise"], 0, 4096, 100)  # not mapped: EFAULT/EINVAL unfiltered
+    call("madvise_dontneed", nr["madvise"], address, 4096, 4)
+    call("setpriority", nr["setpriority"], 0, 0, os.getpriority(os.PRIO_PROCESS, 0))
+    mask = ctypes.create_string_buffer(128)
+    size = libc.syscall(ctypes.c_long(nr["sched_getaffinity"]), ctypes.c_long(0), ctypes.c_long(128), ctypes.c_long(ctypes.addressof(mask)))
+    call("sched_setaffinity", nr["sched_setaffinity"], 0, size, ctypes.addressof(mask))
+    call("sched_setscheduler", nr["sched_setscheduler"], 0, 0, ctypes.addressof(ctypes.c_int(0)))
+    call("ioprio_set", nr["ioprio_set"], 1, 0, libc.syscall(ctypes.c_long(nr["ioprio_get"]), ctypes.c_long(1), ctypes.c_long(0)))
+    limit = (ctypes.c_uint64 * 2)()
+    call("prlimit64_self", nr["prlimit64"], 0, 7, 0, ctypes.addressof(limit))
+    call("prlimit64_parent", nr["prlimit64"], os.getppid(), 7, 0, ctypes.addressof(limit))
+    call("memfd_create", nr["memfd_create"], ctypes.addressof(ctypes.create_string_buffer(b"m")), 0)
+    if call("shmget", nr["shmget"], 0, 4096, 0o1600) >= 0:  # IPC_PRIVATE: remove what was made
+        libc.syscall(ctypes.c_long(nr["shmctl"]), ctypes.c_long(int(results["shmget"][3:])), ctypes.c_long(0), ctypes.c_long(0))
+    if call("msgget", nr["msgget"], 0, 0o1600) >= 0:
+        libc.syscall(ctypes.c_long(nr["msgctl"]), ctypes.c_long(int(results["msgget"][3:])), ctypes.c_long(0), ctypes.c_long(0))
     if confinement._arch().x32_bit:
         call("x32_getpid", confinement._arch().x32_bit | 39)
     call("getpid", 39 if confinement._arch() is confinement._X86_64 else 172)
     attempt("read_etc_passwd", lambda: open("/etc/passwd").close())
-    print(json.dumps(results))
+    print(json.dumps({name: "ok" if result.startswith("ok") else result for name, result in results.items()}))
     """
 )
 
 
 @needs("seccomp", "landlock-fs")
-def test_seccomp_filter_denies_each_listed_system_call() -> None:
+def test_seccomp_filter_denies_each_listed_system_call(tmp_path: Path) -> None:
+    readable = tmp_path / "readable.txt"
+    readable.write_text("")
     done = subprocess.run(
-        [sys.executable, "-c", SYSCALL_PROBE],
+        [sys.executable, "-c", SYSCALL_PROBE, str(readable)],
         capture_output=True,
         text=True,
         timeout=8,
@@ -393,6 +482,27 @@ def test_seccomp_filter_denies_each_listed_system_call() -> None:
         "init_module": eperm,
         "kexec_load": eperm,
         "reboot": eperm,
+        "fchmod": eperm,
+        "fchown": eperm,
+        "utime": eperm,
+        "setxattr": eperm,
+        "inotify_add_watch": eperm,
+        "ioctl_setflags": eperm,
+        "ioctl_fionbio": "ok",
+        "fcntl_setlease": eperm,
+        "fcntl_setpipe_sz": eperm,
+        "fcntl_getfl": "ok",
+        "madvise_hwpoison": eperm,
+        "madvise_dontneed": "ok",
+        "setpriority": eperm,
+        "sched_setaffinity": eperm,
+        "sched_setscheduler": eperm,
+        "ioprio_set": eperm,
+        "prlimit64_self": "ok",
+        "prlimit64_parent": eperm,
+        "memfd_create": eperm,
+        "shmget": eperm,
+        "msgget": eperm,
         "getpid": "ok",
         "read_etc_passwd": os.strerror(13),
     }

@@ -11,7 +11,9 @@ start, the pipes it inherited, and CPU/memory:
   ``no_new_privs``, then restricts itself with Landlock (read-only file access to an allow-list,
   execute only for the node binary and its ELF interpreter, no TCP, no signals or abstract UNIX
   sockets beyond its own domain), then installs a seccomp filter (no new processes, no non-UNIX
-  sockets, no debugging of other processes, none of the root-only system calls). All three survive
+  sockets, no debugging of other processes, none of the root-only system calls, none of the
+  metadata writes Landlock does not govern, no say over other processes' scheduling or limits,
+  no memory the resident-size watchdog cannot see). All three survive
   ``exec`` and bind every thread and descendant of the process.
 
 Everything is done with ``ctypes`` (no dependency, nothing to compile); only Linux on x86_64 and
@@ -147,7 +149,8 @@ class _Arch:
     x32_bit: int = 0  # x86_64: syscalls with this bit set are the x32 ABI
 
 
-# The same names on both architectures; fork, vfork, iopl, ioperm and uselib exist on x86_64 only.
+# The same names on both architectures; fork, vfork, iopl, ioperm, uselib and the path-only
+# chmod, chown, lchown, utime, utimes and futimesat exist on x86_64 only.
 _X86_64: Final = _Arch(
     audit=0xC000_003E,
     elf_machine=62,
@@ -167,6 +170,16 @@ _X86_64: Final = _Arch(
         "quotactl": 179, "quotactl_fd": 443, "open_by_handle_at": 304,
         "name_to_handle_at": 303, "lookup_dcookie": 212, "fanotify_init": 300, "vhangup": 153,
         "iopl": 172, "ioperm": 173, "uselib": 134, "seccomp": 317,
+        "chmod": 90, "fchmod": 91, "fchmodat": 268, "fchmodat2": 452, "chown": 92, "fchown": 93,
+        "lchown": 94, "fchownat": 260, "utime": 132, "utimes": 235, "futimesat": 261,
+        "utimensat": 280, "setxattr": 188, "lsetxattr": 189, "fsetxattr": 190,
+        "removexattr": 197, "lremovexattr": 198, "fremovexattr": 199, "setxattrat": 463,
+        "removexattrat": 466, "file_setattr": 469, "inotify_add_watch": 254,
+        "setpriority": 141, "sched_setparam": 142, "sched_setscheduler": 144,
+        "sched_setaffinity": 203, "sched_setattr": 314, "ioprio_set": 251, "prlimit64": 302,
+        "shmget": 29, "shmat": 30, "shmctl": 31, "shmdt": 67, "semget": 64, "semop": 65,
+        "semctl": 66, "semtimedop": 220, "msgget": 68, "msgsnd": 69, "msgrcv": 70, "msgctl": 71,
+        "memfd_create": 319, "memfd_secret": 447, "ioctl": 16, "fcntl": 72, "madvise": 28,
     },
 )  # fmt: skip
 _AARCH64: Final = _Arch(
@@ -186,6 +199,15 @@ _AARCH64: Final = _Arch(
         "clock_adjtime": 266, "adjtimex": 171, "sethostname": 161, "setdomainname": 162,
         "quotactl": 60, "quotactl_fd": 443, "open_by_handle_at": 265, "name_to_handle_at": 264,
         "lookup_dcookie": 18, "fanotify_init": 262, "vhangup": 58, "seccomp": 277,
+        "fchmod": 52, "fchmodat": 53, "fchmodat2": 452, "fchown": 55, "fchownat": 54,
+        "utimensat": 88, "setxattr": 5, "lsetxattr": 6, "fsetxattr": 7, "removexattr": 14,
+        "lremovexattr": 15, "fremovexattr": 16, "setxattrat": 463, "removexattrat": 466,
+        "file_setattr": 469, "inotify_add_watch": 27, "setpriority": 140,
+        "sched_setparam": 118, "sched_setscheduler": 119, "sched_setaffinity": 122,
+        "sched_setattr": 274, "ioprio_set": 30, "prlimit64": 261, "shmget": 194, "shmat": 196,
+        "shmctl": 195, "shmdt": 197, "semget": 190, "semop": 193, "semctl": 191,
+        "semtimedop": 192, "msgget": 186, "msgsnd": 189, "msgrcv": 188, "msgctl": 187,
+        "memfd_create": 279, "memfd_secret": 447, "ioctl": 29, "fcntl": 25, "madvise": 233,
     },
 )  # fmt: skip
 
@@ -209,7 +231,39 @@ _DENY_EPERM: Final = (
     "swapon", "swapoff", "syslog", "acct", "settimeofday", "clock_settime", "clock_adjtime",
     "adjtimex", "sethostname", "setdomainname", "quotactl", "quotactl_fd", "open_by_handle_at",
     "name_to_handle_at", "lookup_dcookie", "fanotify_init", "vhangup", "iopl", "ioperm",
+    # metadata writes, which Landlock (ABI <= 7) does not govern: with them a process that may
+    # only read could chmod, chown, touch or set extended attributes (security.capability, say)
+    # on any path it can name, and watch any directory for the names of the files made in it
+    "chmod", "fchmod", "fchmodat", "fchmodat2", "chown", "fchown", "lchown", "fchownat", "utime",
+    "utimes", "futimesat", "utimensat", "setxattr", "lsetxattr", "fsetxattr", "removexattr",
+    "lremovexattr", "fremovexattr", "setxattrat", "removexattrat", "file_setattr",
+    "inotify_add_watch",
+    # other processes of the same user (the host, other engines), which Landlock's scopes do not
+    # cover: their nice value, CPU affinity, scheduling policy and I/O priority; and our own, to
+    # a real-time policy or a negative nice where the engine runs as root
+    "setpriority", "sched_setparam", "sched_setscheduler", "sched_setaffinity", "sched_setattr",
+    "ioprio_set",
+    # memory the resident-size watchdog does not see (System V segments even outlive the
+    # process), and other processes' System V objects
+    "memfd_create", "memfd_secret", "shmget", "shmat", "shmctl", "shmdt", "semget", "semop",
+    "semctl", "semtimedop", "msgget", "msgsnd", "msgrcv", "msgctl",
 )  # fmt: skip
+
+# Denied for some values of one argument: (system call, argument, mask, refused values). The
+# argument is compared in its low 32 bits, after ``& mask``.
+_DENY_ARGUMENT: Final = (
+    # ioctl(2) commands of the file systems' types, on any descriptor: 'X' (FIFREEZE, FITHAW,
+    # FITRIM, FS_IOC_FSSETXATTR, ext4's and XFS's shutdown), 'f' (FS_IOC_SETFLAGS: immutable,
+    # append-only; fs-verity), 'v' (FS_IOC_SETVERSION), 0x94 (btrfs, FS_IOC_SETFSLABEL,
+    # FICLONE) and 0xf5 (f2fs). A descriptor opened only for reading is enough for them, and
+    # Landlock's IOCTL_DEV right covers device files only.
+    ("ioctl", 1, 0xFF00, (0x5800, 0x6600, 0x7600, 0x9400, 0xF500)),
+    # fcntl(2): F_SETLEASE (stall every writer of a file we may read), F_SETPIPE_SZ (pipe buffers
+    # of up to pipe-max-size each, unseen by the resident-size watchdog)
+    ("fcntl", 1, 0xFFFF_FFFF, (1024, 1031)),
+    # madvise(2): MADV_HWPOISON and MADV_SOFT_OFFLINE take the machine's pages offline (root)
+    ("madvise", 2, 0xFFFF_FFFF, (100, 101)),
+)
 
 
 def _arch() -> _Arch | None:
@@ -486,10 +540,12 @@ _BPF_LD_W_ABS: Final = 0x20
 _BPF_JEQ_K: Final = 0x15
 _BPF_JGE_K: Final = 0x35
 _BPF_JSET_K: Final = 0x45
+_BPF_ALU_AND_K: Final = 0x54
 _BPF_RET_K: Final = 0x06
 _OFFSET_NR: Final = 0
 _OFFSET_ARCH: Final = 4
 _OFFSET_ARG0_LOW: Final = 16  # args[0], low 32 bits (both architectures are little-endian)
+_ARG_SIZE: Final = 8
 
 
 class _SockFprog(ctypes.Structure):
@@ -526,6 +582,24 @@ def _seccomp_program(arch: _Arch, unix_sockets: bool) -> list[tuple[int, int, in
             ]
         else:
             program += [(_BPF_JEQ_K, 0, 1, arch.nr[name]), errno(_EPERM)]
+    # prlimit64(2): the calling process's limits only, pid 0 as glibc passes it (a pid_t: the
+    # low 32 bits); another process's would let it lower the host's or another engine's limits
+    program += [
+        (_BPF_JEQ_K, 0, 4, arch.nr["prlimit64"]),
+        (_BPF_LD_W_ABS, 0, 0, _OFFSET_ARG0_LOW),
+        (_BPF_JEQ_K, 0, 1, 0),
+        allow,
+        errno(_EPERM),
+    ]
+    for name, argument, mask, refused in _DENY_ARGUMENT:
+        block = [(_BPF_LD_W_ABS, 0, 0, _OFFSET_ARG0_LOW + _ARG_SIZE * argument)]
+        if mask != 0xFFFF_FFFF:
+            block.append((_BPF_ALU_AND_K, 0, 0, mask))
+        block += [
+            (_BPF_JEQ_K, len(refused) - index, 0, value) for index, value in enumerate(refused)
+        ]
+        block += [allow, errno(_EPERM)]
+        program += [(_BPF_JEQ_K, 0, len(block), arch.nr[name]), *block]
     # clone(2): threads only, and without new namespaces
     program += [
         (_BPF_JEQ_K, 0, 5, arch.nr["clone"]),

@@ -7,12 +7,13 @@
 // argv[2] is a JSON object from tests/sandbox/test_confinement.py:
 //   tmp, allowed: directories to write into; secret: a file to read; marker: the file a spawned
 //   shell would create; port / udpPort: loopback TCP and UDP listeners; unixPath / abstractName:
-//   UNIX listeners.
+//   UNIX listeners; victim: the pid of another process of the same user (a sibling engine, say).
 
 const fs = require('fs');
 const path = require('path');
 const net = require('net');
 const dgram = require('dgram');
+const os = require('os');
 
 const config = JSON.parse(process.argv[2]);
 const outcomes = {};
@@ -77,6 +78,9 @@ async function main() {
   attempt('read_secret', () => (fs.readFileSync(config.secret, 'utf8').includes('secret') ? 'ok' : 'read-but-empty'));
   attempt('read_parent_environ', () => { fs.readFileSync(`/proc/${process.ppid}/environ`); });
   attempt('proc_self_mem_write', () => { fs.closeSync(fs.openSync('/proc/self/mem', 'r+')); });
+  // Metadata, which Landlock does not govern: a file that may not be written keeps its mode and times.
+  attempt('chmod_secret', () => fs.chmodSync(config.secret, 0o666));
+  attempt('utimes_secret', () => fs.utimesSync(config.secret, 2, 2));
 
   // --- processes ---
   const shell = `echo pwned > '${config.marker}'; echo pwned`;
@@ -98,6 +102,8 @@ async function main() {
     return spawnOutcome(result);
   });
   attempt('kill_parent', () => { process.kill(process.ppid, 'SIGUSR2'); });
+  // setpriority(2) on another process of the same user; Landlock's signal scope does not cover it.
+  attempt('renice_other', () => { os.setPriority(config.victim, 19); });
   await attemptAsync('worker', (ok, fail) => {
     const { Worker } = require('worker_threads');
     const worker = new Worker('require("worker_threads").parentPort.postMessage(1)', { eval: true });
