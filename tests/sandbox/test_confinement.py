@@ -29,6 +29,7 @@ import pytest
 from codemode.runtime import find_node
 from codemode.runtime.confinement import (
     LAYERS,
+    MAX_OPEN_FILES,
     ConfinementError,
     ConfinementReport,
     _preexec_for,
@@ -582,6 +583,24 @@ def test_confined_node_runs_scripts_and_requires_from_read_paths(tmp_path: Path)
     done = run_confined([allowed], "-e", source, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == [42, 42, 4]
+
+
+def test_a_confined_engine_holds_at_most_its_share_of_descriptors(tmp_path: Path) -> None:
+    # Node raises its soft limit to the hard one (20,000 here): an escaped engine could fill it
+    # with pipes, 64 KiB of kernel memory each, which the resident-size watchdog does not see.
+    if preexec([tmp_path], [NODE]) is None:
+        pytest.skip("no OS confinement layer on this machine")
+    (tmp_path / "data.txt").write_text("x")
+    source = (
+        f"const path = {json.dumps(str(tmp_path / 'data.txt'))}; let n = 0;"
+        "try { for (; n < 1000; n++) require('fs').openSync(path, 'r'); }"
+        "catch (error) { console.log(JSON.stringify([n, error.code])); }"
+    )
+    done = run_confined([tmp_path], "-e", source, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    opened, code = json.loads(done.stdout)
+    assert code == "EMFILE"
+    assert MAX_OPEN_FILES - 32 < opened < MAX_OPEN_FILES
 
 
 async def test_confined_node_spawns_through_asyncio(tmp_path: Path) -> None:

@@ -14,7 +14,8 @@ start, the pipes it inherited, and CPU/memory:
   sockets, no debugging of other processes, none of the root-only system calls, none of the
   metadata writes Landlock does not govern, no say over other processes' scheduling or limits,
   no memory the resident-size watchdog cannot see). All three survive
-  ``exec`` and bind every thread and descendant of the process.
+  ``exec`` and bind every thread and descendant of the process, as does the limit of
+  :data:`MAX_OPEN_FILES` descriptors it sets first.
 
 Everything is done with ``ctypes`` (no dependency, nothing to compile); only Linux on x86_64 and
 aarch64 gets the kernel layers, and :func:`probe` says which layers this machine can apply.
@@ -26,6 +27,7 @@ import ctypes
 import functools
 import os
 import platform
+import resource
 import struct
 import subprocess
 import sys
@@ -38,6 +40,7 @@ from codemode.errors import CodeModeError
 
 __all__ = [
     "LAYERS",
+    "MAX_OPEN_FILES",
     "ConfinementError",
     "ConfinementReport",
     "node_flags",
@@ -616,6 +619,14 @@ def _seccomp_program(arch: _Arch, unix_sockets: bool) -> list[tuple[int, int, in
 # --- the pre-exec function -------------------------------------------------------------------
 
 
+#: The descriptors an engine process may hold: it uses about 20 (pipes, epoll, eventfds), with
+#: 20 cells running. Node raises its soft limit to the hard one (20,000 here), and an escaped
+#: engine could fill that with pipes, 64 KiB of kernel memory each, which the resident-size
+#: watchdog does not see.
+MAX_OPEN_FILES: Final = 256
+_RLIMIT_NOFILE: Final = resource.RLIMIT_NOFILE
+
+
 class _Confine:
     """The pre-exec callable; it owns every buffer the kernel reads, built before the fork."""
 
@@ -635,6 +646,13 @@ class _Confine:
         self._close.argtypes = (ctypes.c_int,)
         c_long = ctypes.c_long
         self._zero = c_long(0)
+        self._setrlimit = libc.setrlimit
+        self._setrlimit.restype = ctypes.c_int
+        # Soft and hard: Node raises its soft limit to the hard one at start. Never above the
+        # hard limit we have (raising it is for root alone).
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        most = MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else min(MAX_OPEN_FILES, hard)
+        self._nofile = (ctypes.c_ulong * 2)(most, most)
 
         self._landlock = report.landlock
         self._attr = (ctypes.c_uint64 * 3)()
@@ -684,6 +702,8 @@ class _Confine:
         os._exit(126)
 
     def __call__(self) -> None:
+        if self._setrlimit(_RLIMIT_NOFILE, self._nofile) != 0:
+            self._fail(b"setrlimit(RLIMIT_NOFILE)")
         if self._prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             self._fail(b"prctl(PR_SET_NO_NEW_PRIVS)")
         if self._landlock:
