@@ -22,6 +22,7 @@ from grpc import aio
 from codemode.errors import CodeModeError
 from codemode.grpc_stubs import v1_pb2_grpc
 from codemode.host.grpc import (
+    MAX_SUBSCRIBED_TOOL_NAMES,
     MAX_SUBSCRIPTIONS_PER_SESSION,
     GrpcAddress,
     GrpcHost,
@@ -1363,6 +1364,53 @@ async def test_a_session_holds_a_bounded_number_of_subscriptions(stub: Stub) -> 
             await asyncio.sleep(0.05)
     else:
         raise AssertionError("no slot came free")
+
+
+async def test_a_sessions_subscriptions_name_a_bounded_number_of_tools(stub: Stub) -> None:
+    """Finding: a subscription's tool names were unbounded: 64 MiB of short names (7 million)
+    held the event loop 6 s while the filter was built and took the host 1.7 GiB, 64 times per
+    session. Past the bound (all of a session's subscriptions together) one is refused before
+    anything is built from its names; a filter without names still opens."""
+    lease = await _open(stub)
+
+    def names(count: int, prefix: str) -> list[pb.ToolName]:
+        return [pb.ToolName(name=f"{prefix}{index}") for index in range(count)]
+
+    half = MAX_SUBSCRIBED_TOOL_NAMES // 2
+    first = stub.SubscribeToToolCalls(
+        pb.SubscribeToToolCallsRequest(session_id=lease.session_id, tool_names=names(half, "a"))
+    )
+    await asyncio.wait_for(first.initial_metadata(), 10)
+    for count in (MAX_SUBSCRIBED_TOOL_NAMES - half + 1, 1_000_000):
+        refused = stub.SubscribeToToolCalls(
+            pb.SubscribeToToolCallsRequest(
+                session_id=lease.session_id, tool_names=names(count, "b")
+            )
+        )
+        error = await _status(asyncio.wait_for(refused.read(), 30))
+        assert (error.code(), error.details()) == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            texts.SESSION_TOO_MANY_SUBSCRIBED_TOOLS,
+        )
+    rest = stub.SubscribeToToolCalls(
+        pb.SubscribeToToolCallsRequest(
+            session_id=lease.session_id,
+            tool_names=[
+                *names(MAX_SUBSCRIBED_TOOL_NAMES - half - 1, "c"),
+                pb.ToolName(name="echo"),
+            ],
+        )
+    )
+    everything = stub.SubscribeToToolCalls(
+        pb.SubscribeToToolCallsRequest(session_id=lease.session_id)
+    )
+    for subscription in (rest, everything):
+        await asyncio.wait_for(subscription.initial_metadata(), 10)
+    call = _execute(stub, lease, "text(await tools.echo(1))", tools=(ECHO,))
+    await _started(call)
+    tool_call = await asyncio.wait_for(rest.read(), 10)  # routed by its filter
+    await _succeed(stub, lease, tool_call.invocation_id, b'"ok"')
+    assert _texts(await _outcome(call)) == ["ok"]
 
 
 # -- large inputs ---------------------------------------------------------------------------------

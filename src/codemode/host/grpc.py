@@ -102,6 +102,11 @@ REMEMBERED_IDS: Final = 4096
 #: filter); each costs the host some 25 KiB, and they were unbounded: 5,000 of one session took
 #: 250 MiB.
 MAX_SUBSCRIPTIONS_PER_SESSION: Final = 64
+#: Tool names a session's open subscriptions may list together (their filters). A name costs the
+#: host some 100-700 bytes as a key of a filter, and they were unbounded: a subscription of 64 MiB
+#: of short names (7 million) held the event loop 6 s while its filter was built and took 1.7 GiB,
+#: and a session may hold 64 of them.
+MAX_SUBSCRIBED_TOOL_NAMES: Final = 4096
 #: Seconds between the host's HTTP/2 keepalive pings on a connection, and how long a ping's ack
 #: may take before the connection ends (with every session whose lease it carried).
 DEFAULT_KEEPALIVE_TIME: Final = 20.0
@@ -902,6 +907,12 @@ class _Servicer(v1_pb2_grpc.CodeModeHostServicer):
             if len(session.subscriptions) >= MAX_SUBSCRIPTIONS_PER_SESSION:
                 raise _Status(
                     grpc.StatusCode.RESOURCE_EXHAUSTED, texts.SESSION_TOO_MANY_SUBSCRIPTIONS
+                )
+            # Counted before anything is built from them (the count of a repeated field is free).
+            named = sum(len(subscription.names) for subscription in session.subscriptions)
+            if named + len(request.tool_names) > MAX_SUBSCRIBED_TOOL_NAMES:
+                raise _Status(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, texts.SESSION_TOO_MANY_SUBSCRIBED_TOOLS
                 )
         except _Status as status:
             await self._abort(context, status)

@@ -213,6 +213,12 @@ HOST_TOO_MANY_ACTIVE_CELLS: Final = "code-mode host has too many active cells"
 #: ``RESOURCE_EXHAUSTED`` of a ``SubscribeToToolCalls`` past ``MAX_SUBSCRIPTIONS_PER_SESSION``
 #: (this project's: §11 sets no bound on a session's subscriptions).
 SESSION_TOO_MANY_SUBSCRIPTIONS: Final = "code-mode session has too many tool subscriptions"
+#: ``RESOURCE_EXHAUSTED`` of a ``SubscribeToToolCalls`` whose ``tool_names`` would take the
+#: session's open subscriptions past ``MAX_SUBSCRIBED_TOOL_NAMES`` (this project's: §6.1 sets no
+#: bound on a filter).
+SESSION_TOO_MANY_SUBSCRIBED_TOOLS: Final = (
+    "code-mode session's tool subscriptions name too many tools"
+)
 #: §4.1, §12.1 ``DEADLINE_EXCEEDED`` "timed out shutting down code-mode gRPC session".
 SESSION_SHUTDOWN_TIMED_OUT: Final = "timed out shutting down code-mode gRPC session"
 #: ``UNAVAILABLE`` for new sessions and executions while the host drains (this project's).
