@@ -52,7 +52,16 @@ from codemode.runtime import LocalSessionProvider
 from codemode.runtime.engine import NodeEngine
 from codemode.transports.websocket import WRITE_HIGH_WATER
 from tests import rawws
-from tests.host.test_grpc import CHANNEL_OPTIONS, _execute, _open, _outcome, _started, _texts
+from tests.host.test_grpc import (
+    CHANNEL_OPTIONS,
+    Stub,
+    _execute,
+    _open,
+    _outcome,
+    _served,
+    _started,
+    _texts,
+)
 from tests.host.test_websocket import (
     ECHO,
     FOREVER,
@@ -497,3 +506,58 @@ async def test_callbacks_wait_for_a_websocket_client_that_does_not_read(
             assert answered == {10: ["first"], 11: ["k"], 12: ["k"], 13: ["k"], 14: ["5"]}
         finally:
             control.ws.abort()
+
+
+@pytest.mark.timeout(60)
+async def test_sessions_that_run_no_cell_give_their_engines_back() -> None:
+    """Finding: a session opened and never used kept the engine taken for its first cell for
+    ever (the idle timeout was armed only when a cell closed): a client that opened sessions and
+    ran nothing held an engine process (some 50 MB) per session up to the host's bound on
+    engines. Now such an engine is given back after the idle timeout, as any idle session's."""
+    async with (
+        LocalSessionProvider(warm_engines=0, idle_engine_timeout=0.3) as provider,
+        _served(GrpcHost(provider, "grpc://127.0.0.1:0")) as stub,
+    ):
+        leases = [await _open(stub) for _ in range(3)]
+        await eventually(lambda: len(_engine_children()) == 3, timeout=30)
+        await eventually(lambda: not _engine_children(), timeout=10)
+        assert len(provider._sessions) == 3  # the sessions stay open
+        call = _execute(stub, leases[0], "text('still here')")
+        await _started(call)
+        assert _texts(await _outcome(call)) == ["still here"]
+
+
+@pytest.mark.timeout(60)
+async def test_an_execute_dropped_while_its_cell_terminates_logs_no_error(
+    grpc_host: GrpcHost, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Finding: an ``Execute`` a client dropped while a ``Terminate`` of its cell was under way
+    (here the cell's unacknowledged notification holds the termination for its grace) made the
+    host log ``Exception in callback ... exec cell 1 is already terminating`` with a traceback,
+    once per such drop: a client could fill the host's log. The drop now joins the termination."""
+    caplog.set_level(logging.WARNING)
+    channel = aio.insecure_channel(grpc_host.url.removeprefix("grpc://"), options=CHANNEL_OPTIONS)
+    try:
+        stub: Stub = v1_pb2_grpc.CodeModeHostStub(channel)
+        lease = await _open(stub)
+        for _ in range(3):
+            call = _execute(stub, lease, "notify('n'); while (true) {}", yield_time_ms=60_000)
+            started = await _started(call)
+            await lease.until("notification")
+            terminate = asyncio.ensure_future(
+                stub.Terminate(
+                    pb.TerminateRequest(session_id=lease.session_id, cell_id=started.cell_id)
+                )
+            )
+            await asyncio.sleep(0.02)
+            call.cancel()
+            outcome = await asyncio.wait_for(terminate, 30)
+            assert outcome.live_cell.HasField("terminated"), outcome
+            await lease.until("cell_closed")
+        errors = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert not errors, [r.getMessage() for r in errors]
+        call = _execute(stub, lease, "text('fine')")
+        await _started(call)
+        assert _texts(await _outcome(call)) == ["fine"]
+    finally:
+        await channel.close()

@@ -428,6 +428,14 @@ class LocalSession(CodeModeSession):
             # Reported by the execute that takes the engine again.
             logger.debug("codemode session: could not take an engine: %s", error)
         elif not self._cells:
+            # Idle from the start: given back after the idle timeout, as after a last cell (a
+            # session opened and never used kept its engine for ever).
+            self._went_idle()
+
+    def _went_idle(self) -> None:
+        if isinstance(self._engines, EnginePool) and not self._shutting_down:
+            self._cancel_idle()
+            self._idle_timer = self._loop.call_later(self._idle_timeout, self._reap_if_idle)
             self._offer_engine()
 
     def _offer_engine(self) -> None:
@@ -693,10 +701,8 @@ class LocalSession(CodeModeSession):
         """Remove a closed cell; an idle session's own engine is released after a while."""
         if self._cells.get(cell.cell_id) is cell:
             del self._cells[cell.cell_id]
-        if not self._cells and isinstance(self._engines, EnginePool) and not self._shutting_down:
-            self._cancel_idle()
-            self._idle_timer = self._loop.call_later(self._idle_timeout, self._reap_if_idle)
-            self._offer_engine()
+        if not self._cells:
+            self._went_idle()
 
     def hold_callback(
         self, task: asyncio.Future[Any], size: int, values: int = 0, containers: int = 0
@@ -750,8 +756,8 @@ class LocalSession(CodeModeSession):
 
     def _terminate_in_background(self, cell_id: CellId) -> None:
         cell = self._cells.get(cell_id)
-        if cell is None or cell.closed:
-            return
+        if cell is None or cell.closed or cell.terminating:
+            return  # a termination under way (a Terminate, the shutdown) is not repeated
         task = asyncio.ensure_future(cell.terminate())
         task.add_done_callback(lambda done: done.cancelled() or done.exception())
 
