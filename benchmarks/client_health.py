@@ -13,19 +13,12 @@ Figures are the median of ``ROUNDS`` runs of each row; nothing is asserted.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import statistics
-import sys
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Final
 
 from benchmarks.common import progress, run_on_loop
-from benchmarks.health import TICK, _held, _Runner
-from codemode.host.address import WebSocketAddress
-from codemode.host.websocket import WebSocketHost
+from benchmarks.health import TICK, _held, _over_host
 from codemode.runtime import LocalSessionProvider
 
 ROUNDS: Final = 3
@@ -47,7 +40,7 @@ from codemode.client.websocket import WebSocketCodeModeSessionProvider
 from codemode.protocol import ToolDefinition, ToolName
 from codemode.session import CodeModeSessionDelegate
 
-ROWS = [eval(expression) for expression in json.loads(sys.argv[2])]
+ROWS = [eval(expression) for expression in json.loads(sys.argv[3])]
 
 class Delegate(CodeModeSessionDelegate):
     async def invoke_tool(self, invocation, cancellation):
@@ -69,39 +62,13 @@ def _source(row: int) -> str:
     return f'await tools.size({{row: {row}}}); text("ok")'
 
 
-@contextlib.asynccontextmanager
-async def _client(provider: LocalSessionProvider) -> AsyncIterator[_Runner]:
-    host = WebSocketHost(provider, WebSocketAddress("127.0.0.1", 0, "/"))
-    await host.start()
-    child = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-c",
-        _CLIENT,
-        host.url,
-        json.dumps([expression for _, expression in ROWS]),
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        cwd=Path(__file__).resolve().parent.parent,
-    )
-    assert child.stdin is not None and child.stdout is not None
-    stdin, stdout = child.stdin, child.stdout
-
-    async def run(source: str) -> None:
-        stdin.write(json.dumps(source).encode() + b"\n")
-        await stdin.drain()
-        assert await stdout.readline() == b"done\n", "the client failed (see its stderr)"
-
-    try:
-        yield run
-    finally:
-        stdin.close()
-        await child.wait()
-        await host.aclose()
-
-
 async def run() -> None:
     rows: list[tuple[str, float]] = []
-    async with LocalSessionProvider() as provider, _client(provider) as client:
+    expressions = json.dumps([expression for _, expression in ROWS])
+    async with (
+        LocalSessionProvider() as provider,
+        _over_host(provider, "websocket", _CLIENT, expressions) as client,
+    ):
         await _held(client, 'text("warm")')
         for index, (name, _) in enumerate(ROWS):
             progress(name)

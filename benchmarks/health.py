@@ -177,7 +177,11 @@ asyncio.run(main())
 
 
 @contextlib.asynccontextmanager
-async def _over_host(provider: LocalSessionProvider, carrier: str) -> AsyncIterator[_Runner]:
+async def _over_host(
+    provider: LocalSessionProvider, carrier: str, client: str = _CLIENT, *arguments: str
+) -> AsyncIterator[_Runner]:
+    """A host of ``provider`` on this loop, and a runner of cells in a session of ``client``
+    (a script run as ``python -c CLIENT URL CARRIER *ARGUMENTS`` in a child process)."""
     host: WebSocketHost | GrpcHost
     if carrier == "grpc":
         host = GrpcHost(provider, "grpc://127.0.0.1:0")
@@ -187,9 +191,10 @@ async def _over_host(provider: LocalSessionProvider, carrier: str) -> AsyncItera
     child = await asyncio.create_subprocess_exec(
         sys.executable,
         "-c",
-        _CLIENT,
+        client,
         host.url,
         carrier,
+        *arguments,
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         cwd=Path(__file__).resolve().parent.parent,
