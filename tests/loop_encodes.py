@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import pytest
 
-__all__ = ["LoopEncodes", "longest_string", "watch_encoders"]
+__all__ = ["LoopEncodes", "longest_string", "watch_decoders", "watch_encoders"]
 
 
 @dataclass
@@ -74,3 +74,22 @@ def watch_encoders(monkeypatch: pytest.MonkeyPatch, *modules: ModuleType) -> Loo
     for module in modules:
         monkeypatch.setattr(module, "_ENCODER", _Watched(module._ENCODER, record))
     return record
+
+
+class _WatchedDecoder:
+    def __init__(self, decoder: Any, sizes: list[int]) -> None:
+        self._decoder = decoder
+        self._sizes = sizes
+
+    def decode(self, data: Any) -> Any:
+        self._sizes.append(len(data))
+        return self._decoder.decode(data)
+
+
+def watch_decoders(monkeypatch: pytest.MonkeyPatch, *decoders: tuple[ModuleType, str]) -> list[int]:
+    """Watch each ``(module, name)`` decoder; the size of every input they decode, on any
+    thread (msgspec holds the GIL through one call: off the loop or not, none may be long)."""
+    sizes: list[int] = []
+    for module, name in decoders:
+        monkeypatch.setattr(module, name, _WatchedDecoder(getattr(module, name), sizes))
+    return sizes

@@ -48,7 +48,7 @@ from codemode.runtime import engine as engine_module
 from codemode.runtime.cell import MAX_BUFFERED_OUTPUT_CHARS
 from codemode.runtime.engine import _HostProtocol
 from tests.contract.delegate import RecordingDelegate
-from tests.loop_encodes import watch_encoders
+from tests.loop_encodes import watch_decoders, watch_encoders
 from tests.runtime.test_engine_messages import Events, wired
 from tests.sandbox.conftest import start
 from tests.wire import frame
@@ -746,20 +746,13 @@ async def test_no_decode_of_a_long_escaped_string_is_one_call(
     # JSON values, escaped once (host.js Spliced). msgspec holds the GIL through one call and
     # decodes escaped text at 250-500 MB/s: one frame of 63 M backslashes held the event loop
     # every session shares for 1.2 s, on a worker thread as much as on the loop.
-    sizes: list[int] = []  # the input of every decode, on any thread
-
-    class Watched:
-        def __init__(self, decoder: Any) -> None:
-            self._decoder = decoder
-
-        def decode(self, data: Any) -> Any:
-            sizes.append(len(data))
-            return self._decoder.decode(data)
-
-    monkeypatch.setattr(engine_module, "_BATCH", Watched(engine_module._BATCH))
-    monkeypatch.setattr(engine_module, "_WRITES", Watched(engine_module._WRITES))
-    monkeypatch.setattr(cell_module, "_DECODER", Watched(cell_module._DECODER))
-    monkeypatch.setattr(pieces_module, "_STRING", Watched(pieces_module._STRING))
+    sizes = watch_decoders(  # the input of every decode, on any thread
+        monkeypatch,
+        (engine_module, "_BATCH"),
+        (engine_module, "_WRITES"),
+        (cell_module, "_DECODER"),
+        (pieces_module, "_STRING"),
+    )
     async with LocalSessionProvider() as fresh:
         delegate = RecordingDelegate()
         session = await fresh.create_session(delegate)

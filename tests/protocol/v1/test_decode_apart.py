@@ -41,6 +41,7 @@ from codemode.protocol.v1.messages import (
     WireExecuteRequest,
     WireOk,
 )
+from tests.loop_encodes import watch_decoders
 from tests.protocol.test_pieces import ALPHABET
 from tests.wire import HELLO, frame
 
@@ -200,22 +201,13 @@ def test_odd_frames_decoded_apart_fail_as_one_decode_fails(payload: str) -> None
 
 def test_a_large_frame_is_decoded_a_piece_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
     # No decode call of a large frame's takes more than a piece of its long strings.
-    sizes: list[int] = []
-
-    class Watched:
-        def __init__(self, decoder: Any) -> None:
-            self._decoder = decoder
-
-        def decode(self, data: Any) -> Any:
-            sizes.append(len(data))
-            return self._decoder.decode(data)
+    sizes = watch_decoders(monkeypatch, (pieces, "_STRING"))
 
     def loads_large(data: bytes) -> Any:
         sizes.append(len(data))
         return codec_loads_large(data)
 
     codec_loads_large = strict_json.loads_large
-    monkeypatch.setattr(pieces, "_STRING", Watched(pieces._STRING))
     monkeypatch.setattr(codec, "loads_large", loads_large)
     message = DelegateResponseMessage(
         7, WireOk(ToolResult({"\\" * 2_000_000: ["\x01" * 500_000, "é" * 1_000_000, 1.5]}))
